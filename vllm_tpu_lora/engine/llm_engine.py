@@ -1,0 +1,193 @@
+"""LLMEngine: add requests, step() until done. The whole loop is schedule -> run -> update."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import numpy as np
+from transformers import AutoTokenizer
+
+from vllm_tpu_lora import platform
+from vllm_tpu_lora.config import EngineArgs, EngineConfig
+from vllm_tpu_lora.engine.block_manager import BlockManager, blocks_needed
+from vllm_tpu_lora.engine.detokenizer import IncrementalDetokenizer
+from vllm_tpu_lora.engine.output_processor import (
+    RequestState,
+    append_token,
+    check_stop,
+    make_request_output,
+)
+from vllm_tpu_lora.engine.scheduler import Scheduler
+from vllm_tpu_lora.engine.sequence import Sequence, SequenceStatus
+from vllm_tpu_lora.models.loader import load_model, resolve_dtype
+from vllm_tpu_lora.outputs import RequestOutput
+from vllm_tpu_lora.runner.model_runner import ModelRunner
+from vllm_tpu_lora.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        self.max_model_len = mc.max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer_path)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        dtype = resolve_dtype(mc.dtype)
+        model = load_model(mc.model, mc.hf_config, cc.block_size, dtype)
+        self.vocab_size = mc.hf_config["vocab_size"]
+        num_layers = mc.hf_config["num_hidden_layers"]
+        slot_shape = model.kv_cache_shape(1)
+        num_blocks = self._num_kv_blocks(num_layers, slot_shape, dtype.itemsize)
+        self.block_manager = BlockManager(num_blocks, cc.block_size)
+        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            model, num_layers=num_layers, kv_cache_shape=model.kv_cache_shape(num_blocks * cc.block_size),
+            kv_dtype=dtype, block_size=cc.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+            eos_token_id=self.eos_token_id)
+        self._rng = np.random.default_rng(mc.seed)
+        self._requests: dict[str, RequestState] = {}
+        self._counter = itertools.count()
+        self.num_steps = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        engine = cls(args.create_engine_config())
+        if args.precompile:
+            engine.runner.precompile()
+            logger.info("precompiled %d graphs in %.1fs", engine.runner.num_graphs,
+                        engine.runner.warmup_seconds)
+        return engine
+
+    def _num_kv_blocks(self, num_layers: int, slot_shape: tuple, itemsize: int) -> int:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        per_seq = blocks_needed(self.max_model_len, cc.block_size)
+        if cc.num_kv_blocks is not None:
+            num = cc.num_kv_blocks
+        else:
+            bytes_per_block = num_layers * cc.block_size * int(np.prod(slot_shape)) * itemsize
+            # No point holding more than every sequence at full length (+ the null block).
+            num = min(cc.kv_cache_memory_bytes // bytes_per_block, sc.max_num_seqs * per_seq + 1)
+        if num - 1 < per_seq:
+            raise ValueError(
+                f"The model's max seq len ({self.max_model_len}) is larger than the maximum "
+                f"number of tokens that can be stored in KV cache ({(num - 1) * cc.block_size}). "
+                "Try increasing `num_kv_blocks` or `kv_cache_memory_bytes`, or decreasing "
+                "`max_model_len`.")
+        return num
+
+    # ---- requests ----
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got {sorted(prompt)}")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"Unsupported prompt type {type(prompt).__name__}")
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
+                f"length of {self.max_model_len}. Make sure that `max_model_len` is no smaller "
+                "than the number of text tokens.")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size})")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    lora_request: Any = None) -> None:
+        """Validate everything before touching any state, so a bad request changes nothing."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"Request id {request_id} already running.")
+        text, ids = self._tokenize(prompt)
+        self._validate_prompt(ids)
+        self._check_lora_request(lora_request)
+        seqs = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else int(self._rng.integers(2**62))
+            seq = Sequence(request_id, i, ids, params, seed, lora_request)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            seqs.append(seq)
+        self._requests[request_id] = RequestState(request_id, text, ids, seqs, lora_request)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _check_lora_request(self, lora_request: Any) -> None:
+        if lora_request is not None:
+            raise ValueError("LoRA is not enabled. Use --enable-lora to enable LoRA.")
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            state = self._requests.pop(rid, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def new_request_id(self) -> str:
+        return str(next(self._counter))
+
+    # ---- the loop ----
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        want_lp = any(s.seq.params.logprobs for s in out.scheduled)
+        result = self.runner.execute(out.scheduled, want_lp)
+        self.scheduler.update(out)
+        self.num_steps += 1
+        touched: dict[str, RequestState] = {}
+        for i, s in enumerate(out.scheduled):
+            if not s.samples:
+                continue
+            seq = s.seq
+            topk = (result.topk_ids[i].tolist(), result.topk_logprobs[i].tolist()) if want_lp else None
+            append_token(seq, int(result.token_ids[i]), float(result.logprobs[i]),
+                         int(result.ranks[i]), topk, self.tokenizer)
+            status = check_stop(seq, self.eos_token_id, self.max_model_len)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        outputs = [make_request_output(st) for st in touched.values()]
+        for o in outputs:
+            if o.finished:
+                del self._requests[o.request_id]
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_kv_blocks": self.block_manager.num_free_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_graphs": self.runner.num_graphs,
+            "warmup_seconds": self.runner.warmup_seconds,
+            "compilations_after_warmup": self.runner.guard.compilations_after_warmup,
+            "device": platform.device_type(),
+        }

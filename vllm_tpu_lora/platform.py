@@ -1,0 +1,51 @@
+"""The one place that knows which device we run on.
+
+PJRT_DEVICE must be decided before torch_xla is imported, so every module that needs
+torch_xla imports it through here.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+
+def _tpu_present() -> bool:
+    # A TPU VM exposes accelerator device nodes; libtpu is the runtime that drives them.
+    if not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
+        return False
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if "PJRT_DEVICE" not in os.environ:
+    os.environ["PJRT_DEVICE"] = "TPU" if _tpu_present() else "CPU"
+
+import torch_xla  # noqa: E402
+import torch_xla.debug.metrics as xla_metrics  # noqa: E402
+
+
+def device_type() -> str:
+    return os.environ["PJRT_DEVICE"].upper()
+
+
+def is_tpu() -> bool:
+    return device_type() == "TPU"
+
+
+def xla_device():
+    return torch_xla.device()
+
+
+def sync() -> None:
+    """Cut the lazy graph here and launch it."""
+    torch_xla.sync()
+
+
+def compile_count() -> int:
+    """Number of XLA graph compilations in this process so far."""
+    data = xla_metrics.metric_data("CompileTime")
+    return int(data[0]) if data else 0

@@ -1,0 +1,39 @@
+"""Bucket ladders: every step is padded up to one of these shapes, so the set of graphs
+is finite and known at start-up. Pure functions."""
+
+from __future__ import annotations
+
+
+def pow2_ladder(lo: int, hi: int) -> list[int]:
+    """lo, 2lo, 4lo, ... with the last rung exactly `hi` (hi need not be a power of 2)."""
+    if lo <= 0 or hi <= 0:
+        raise ValueError(f"bucket bounds must be positive, got lo={lo} hi={hi}")
+    ladder, b = [], lo
+    while b < hi:
+        ladder.append(b)
+        b *= 2
+    ladder.append(hi)
+    return ladder
+
+
+def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16) -> list[int]:
+    return pow2_ladder(min(min_bucket, max_num_batched_tokens), max_num_batched_tokens)
+
+
+def request_buckets(max_num_seqs: int, min_bucket: int = 8) -> list[int]:
+    return pow2_ladder(min(min_bucket, max_num_seqs), max_num_seqs)
+
+
+def slot_buckets(max_loras: int) -> list[int]:
+    """0 (base-only graph, no LoRA op traced), 1, 2, 4, ... max_loras."""
+    if max_loras <= 0:
+        return [0]
+    return [0] + pow2_ladder(1, max_loras)
+
+
+def pick(ladder: list[int], n: int) -> int:
+    """The smallest bucket >= n."""
+    for b in ladder:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {ladder[-1]}")

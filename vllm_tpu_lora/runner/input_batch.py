@@ -1,0 +1,96 @@
+"""Host-side input preparation in numpy: one scheduled step -> padded arrays.
+
+Token rows are padded to the token bucket T; per-sequence rows (sampling and the TPU
+attention kernel's metadata) to the request bucket R. Padding tokens write to and read
+from the reserved null block, padding rows sample garbage that nobody reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_tpu_lora.engine.block_manager import NULL_BLOCK
+from vllm_tpu_lora.engine.scheduler import ScheduledSeq
+
+MAX_BLOCKED_IDS = 8  # EOS + stop_token_ids masked out while min_tokens is not reached
+
+
+@dataclass
+class StepArrays:
+    # token rows [T]
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    token_block_tables: np.ndarray  # [T, MB]
+    token_kv_lens: np.ndarray
+    token_lora_slot: np.ndarray  # -1: base model / padding
+    # sequence rows [R]
+    seq_kv_lens: np.ndarray
+    seq_block_tables: np.ndarray  # [R, MB]
+    cu_q_lens: np.ndarray  # [R + 1]
+    num_seqs: np.ndarray  # [1]
+    logits_indices: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seeds: np.ndarray
+    steps: np.ndarray
+    blocked_ids: np.ndarray  # [R, MAX_BLOCKED_IDS], -1 padded
+    num_tokens: int
+    num_seqs_real: int
+
+
+def _alloc(t: int, r: int, mb: int) -> dict[str, np.ndarray]:
+    return dict(
+        input_ids=np.zeros(t, np.int64), positions=np.zeros(t, np.int64),
+        slot_mapping=np.zeros(t, np.int64) + NULL_BLOCK,
+        token_block_tables=np.full((t, mb), NULL_BLOCK, np.int64),
+        token_kv_lens=np.ones(t, np.int32), token_lora_slot=np.full(t, -1, np.int32),
+        seq_kv_lens=np.zeros(r, np.int32), seq_block_tables=np.full((r, mb), NULL_BLOCK, np.int64),
+        cu_q_lens=np.zeros(r + 1, np.int32), num_seqs=np.zeros(1, np.int32),
+        logits_indices=np.zeros(r, np.int64), temperature=np.zeros(r, np.float32),
+        top_k=np.zeros(r, np.int32), top_p=np.ones(r, np.float32), min_p=np.zeros(r, np.float32),
+        seeds=np.zeros(r, np.int64), steps=np.zeros(r, np.int64),
+        blocked_ids=np.full((r, MAX_BLOCKED_IDS), -1, np.int64),
+    )
+
+
+def _sampling_row(a: dict, i: int, s: ScheduledSeq, eos_id: int | None) -> None:
+    p, seq = s.seq.params, s.seq
+    a["temperature"][i], a["top_k"][i] = p.temperature, p.top_k
+    a["top_p"][i], a["min_p"][i] = p.top_p, p.min_p
+    a["seeds"][i], a["steps"][i] = seq.seed, seq.num_output_tokens
+    if seq.num_output_tokens < p.min_tokens:
+        blocked = list(p.stop_token_ids) + ([eos_id] if eos_id is not None and not p.ignore_eos else [])
+        blocked = blocked[:MAX_BLOCKED_IDS]
+        a["blocked_ids"][i, : len(blocked)] = blocked
+
+
+def prepare_step(scheduled: list[ScheduledSeq], t_bucket: int, r_bucket: int,
+                 max_blocks: int, block_size: int, lora_slot_of: dict[int, int],
+                 eos_id: int | None) -> StepArrays:
+    a = _alloc(t_bucket, r_bucket, max_blocks)
+    cursor = 0
+    for i, s in enumerate(scheduled):
+        seq, n, start = s.seq, s.num_tokens, s.start
+        rows = slice(cursor, cursor + n)
+        pos = np.arange(start, start + n)
+        table = np.asarray(seq.block_ids, np.int64)
+        a["input_ids"][rows] = seq.token_ids_slice(start, start + n)
+        a["positions"][rows] = pos
+        a["slot_mapping"][rows] = table[pos // block_size] * block_size + pos % block_size
+        a["seq_block_tables"][i, : len(table)] = table
+        a["token_block_tables"][rows] = a["seq_block_tables"][i]
+        a["token_kv_lens"][rows] = pos + 1
+        a["token_lora_slot"][rows] = lora_slot_of.get(seq.lora_int_id, -1)
+        a["seq_kv_lens"][i] = start + n
+        a["cu_q_lens"][i + 1] = cursor + n
+        a["logits_indices"][i] = cursor + n - 1
+        _sampling_row(a, i, s, eos_id)
+        cursor += n
+    a["cu_q_lens"][len(scheduled) + 1:] = cursor
+    a["num_seqs"][0] = len(scheduled)
+    return StepArrays(**a, num_tokens=cursor, num_seqs_real=len(scheduled))
