@@ -157,7 +157,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        want_lp = any(s.seq.params.logprobs for s in out.scheduled)
+        want_lp = any(s.seq.params.logprobs is not None for s in out.scheduled)
         result = self.runner.execute(out.scheduled, want_lp)
         self.scheduler.update(out)
         self.num_steps += 1

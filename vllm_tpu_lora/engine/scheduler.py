@@ -24,11 +24,12 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first token position computed this step
     num_tokens: int
+    # Whether this chunk reaches the end of the known tokens, so a token is sampled.
+    # Fixed at scheduling time: the sequence grows once the step has run.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass

@@ -6,6 +6,8 @@ On a TPU a compile in the serving loop stalls every request for seconds, so afte
 
 from __future__ import annotations
 
+import contextlib
+
 from vllm_tpu_lora import platform
 from vllm_tpu_lora.config import check_recompilation_enabled
 
@@ -15,27 +17,25 @@ class RecompilationError(RuntimeError):
 
 
 class CompileGuard:
+    """Counts the compilations that happen *inside* watched regions, so several engines in
+    one process (tests) don't charge each other's warm-ups."""
+
     def __init__(self) -> None:
         self.strict = check_recompilation_enabled()
-        self._baseline: int | None = None
+        self.armed = False
         self.compilations_after_warmup = 0
 
     def arm(self) -> None:
         """Warm-up is over: from now on every compile counts."""
-        self._baseline = platform.compile_count()
+        self.armed = True
 
-    @property
-    def armed(self) -> bool:
-        return self._baseline is not None
-
-    def check(self, where: str) -> None:
-        if self._baseline is None:
+    @contextlib.contextmanager
+    def watch(self, where: str):
+        before = platform.compile_count()
+        yield
+        new = platform.compile_count() - before
+        if not self.armed or new <= 0:
             return
-        now = platform.compile_count()
-        new = now - self._baseline
-        if new <= 0:
-            return
-        self._baseline = now
         self.compilations_after_warmup += new
         if self.strict:
             raise RecompilationError(

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from vllm_tpu_lora import platform
 from vllm_tpu_lora.engine.scheduler import ScheduledSeq
 from vllm_tpu_lora.layers.attention import AttentionMetadata
-from vllm_tpu_lora.layers.sampler import MAX_LOGPROBS, SamplingTensors, sample
+from vllm_tpu_lora.layers.sampler import SamplingTensors, sample
 from vllm_tpu_lora.runner import buckets
 from vllm_tpu_lora.runner.compile_guard import CompileGuard
 from vllm_tpu_lora.runner.input_batch import StepArrays, prepare_step
@@ -95,8 +95,8 @@ class ModelRunner:
         r_b = buckets.pick(self.request_ladder, len(scheduled))
         arrays = prepare_step(scheduled, t_b, r_b, self.max_blocks_per_seq, self.block_size,
                               {}, self.eos_token_id)
-        packed = self._sample(self._forward(arrays), arrays).cpu().numpy()
-        self.guard.check("model step")
+        with self.guard.watch("model step"):
+            packed = self._sample(self._forward(arrays), arrays).cpu().numpy()
         n = len(scheduled)
         k = (packed.shape[1] - 3) // 2
         return StepResult(

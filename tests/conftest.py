@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny real HF checkpoints made locally, and engines shared per session
+(each engine precompiles its graphs, ~1 s each on this CPU)."""
+
+import os
+
+os.environ.setdefault("VLLM_TPU_LORA_CHECK_RECOMPILATION", "1")
+
+import pytest  # noqa: E402
+
+from vllm_tpu_lora.testing.factory import make_tiny_llama, make_tiny_qwen2  # noqa: E402
+
+# Small ladders keep start-up cheap: tokens [16, 32], requests [8] -> 4 graphs.
+SMALL_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """Llama with GQA (4 heads, 2 kv heads) and untied embeddings."""
+    return make_tiny_llama(str(tmp_path_factory.mktemp("llama")), tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    """Qwen2 with q/k/v biases and tied embeddings."""
+    return make_tiny_qwen2(str(tmp_path_factory.mktemp("qwen2")), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def llama_llm(llama_dir):
+    from vllm_tpu_lora import LLM
+
+    return LLM(llama_dir, **SMALL_ENGINE)
