@@ -1,0 +1,96 @@
+"""`vllm-tpu-lora` command line: `generate` (offline) and, with the server, `serve`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+
+from vllm_tpu_lora.config import EngineArgs
+
+_SKIP = {"model", "precompile"}
+
+
+def _flag_type(hint) -> type | None:
+    hint = str(hint)
+    if "bool" in hint:
+        return None
+    if "int" in hint:
+        return int
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every EngineArgs field as a --kebab-case flag, vLLM style."""
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in _SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _flag_type(hints[f.name])
+        if kind is None:
+            parser.add_argument(flag, action="store_true", default=f.default)
+        else:
+            parser.add_argument(flag, type=kind, default=f.default)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
+            if f.name not in _SKIP}
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from vllm_tpu_lora import LLM, SamplingParams
+    from vllm_tpu_lora.lora.request import LoRARequest
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                            n=args.n, stop=args.stop or None, ignore_eos=args.ignore_eos)
+    lora = LoRARequest(args.lora_name or "adapter", 1, args.lora_path) if args.lora_path else None
+    outs = llm.generate(args.prompt, params, use_tqdm=False, lora_request=lora)
+    for out in outs:
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text,
+                                  "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+            else:
+                print(f"{out.prompt!r} -> {c.text!r} [{c.finish_reason}]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-tpu-lora")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions offline")
+    gen.add_argument("--model", required=True, help="HF checkpoint directory")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--lora-path", default=None, help="a PEFT adapter directory to apply")
+    gen.add_argument("--lora-name", default=None)
+    gen.add_argument("--json", action="store_true", help="one JSON object per completion")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
