@@ -1,0 +1,238 @@
+"""Both backends on the XLA device (PJRT CPU here; Pallas in interpret mode) and the
+Pallas kernels as plain JAX functions, all against the float32 loop reference.
+
+Each distinct shape costs an XLA compile (~0.3-2 s on CPU), so instead of the full
+cross product (tested in CPU eager torch in test_ops_ref.py) this file uses a
+covering subset: every T, R, N, dtype and index distribution appears at least once.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from vllm_tpu_lora import ops, platform
+from vllm_tpu_lora.ops import bgmv_pallas, bgmv_xla
+from vllm_tpu_lora.ops.bgmv_ref import bgmv_expand_slice_ref, bgmv_shrink_ref
+from vllm_tpu_lora.ops.block_sizes import token_block
+from vllm_tpu_lora.ops.testing import assert_close, make_case
+
+F32, BF16 = torch.float32, torch.bfloat16
+D, OUT, O_TOTAL, OFFSET = 256, 384, 640, 128
+# (T, R, N, dtype, distribution): covers every value of every swept dimension.
+CASES = [
+    (1, 8, 1, F32, "identical"),
+    (7, 16, 2, BF16, "skewed"),
+    (16, 64, 4, F32, "distinct"),
+    (133, 8, 8, BF16, "uniform"),
+    (512, 16, 8, F32, "skewed"),
+    (133, 64, 2, F32, "identical"),
+]
+IMPLS = ["xla-onehot", "xla-segment", "pallas"]
+
+
+def _case_id(c):
+    return f"T{c[0]}-R{c[1]}-N{c[2]}-{'f32' if c[3] == F32 else 'bf16'}-{c[4]}"
+
+
+@functools.cache
+def _case_and_ref(t, r, n, dtype, dist):
+    case = make_case(t, D, OUT, r, n, dtype, dist, seed=7 * t + r + n)
+    wide = torch.randn(t, O_TOTAL, generator=torch.Generator().manual_seed(t)).to(dtype)
+    refs = (
+        bgmv_shrink_ref(case.x, case.lora_a, case.idx, case.scale),
+        bgmv_expand_slice_ref(case.y, case.lora_b, case.idx, case.base, 0, OUT),
+        bgmv_expand_slice_ref(case.y, case.lora_b, case.idx, wide, OFFSET, OUT),
+    )
+    return case, wide, refs
+
+
+def _run_impl(impl, case, wide, n, dtype):
+    """(shrink y [T,R], expand [T,OUT], expand_slice [T,O_TOTAL]) computed on the XLA device."""
+    dev = platform.xla_device()
+    x, a, b, idx, s, base, y = (v.to(dev) for v in case)
+    wide = wide.to(dev)
+    if impl == "xla-onehot":
+        return (
+            bgmv_xla.onehot_shrink(x, a, idx, s),
+            bgmv_xla.onehot_expand(y, b, idx, base),
+            bgmv_xla.onehot_expand(y, b, idx, wide, OFFSET, OUT),
+        )
+    mod, backend = (bgmv_xla, "xla") if impl == "xla-segment" else (bgmv_pallas, "pallas")
+    lay = bgmv_xla.make_segment_layout(idx, n, token_block(dtype, backend))
+    ys_in = bgmv_xla.to_segment_order(y, lay)
+    return (
+        bgmv_xla.to_token_order(mod.segment_shrink(x, a, lay, s), lay),
+        mod.segment_expand(ys_in, b, lay, base),
+        mod.segment_expand(ys_in, b, lay, wide, OFFSET, OUT),
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("t,r,n,dtype,dist", CASES, ids=[_case_id(c) for c in CASES])
+def test_backends_on_xla_device(impl, t, r, n, dtype, dist):
+    case, wide, refs = _case_and_ref(t, r, n, dtype, dist)
+    outs = _run_impl(impl, case, wide, n, dtype)
+    platform.sync()  # one graph for shrink, expand and expand_slice
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.dtype == dtype
+        assert_close(out, ref, dtype)
+    pad = case.idx < 0  # padding tokens: exact zeros / base passed through unchanged
+    assert (outs[0].cpu()[pad] == 0).all()
+    assert torch.equal(outs[1].cpu()[pad], case.base[pad])
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_dispatch_api(backend):
+    t, r, n, dtype, dist = 133, 16, 4, F32, "skewed"
+    case, wide, (y_ref, out_ref, slice_ref) = _case_and_ref(t, r, n, dtype, dist)
+    dev = platform.xla_device()
+    x, a, b, idx, s, base, y = (v.to(dev) for v in case)
+    got = [
+        ops.bgmv_shrink(x, a, idx, s, backend=backend),
+        ops.bgmv_expand(y, b, idx, base, backend=backend),
+        ops.bgmv_expand_slice(y, b, idx, wide.to(dev), OFFSET, OUT, backend=backend),
+    ]
+    lay = ops.make_segment_layout(idx, n, backend=backend, dtype=dtype)
+    ys = ops.segment_shrink(x, a, lay, s, backend=backend)
+    got.append(ops.segment_expand(ys, b, lay, base, backend=backend))
+    # Chained shrink -> expand through the layout equals expand of the reference shrink.
+    chain_ref = bgmv_expand_slice_ref(y_ref, case.lora_b, case.idx, case.base, 0, OUT)
+    platform.sync()
+    for out, ref in zip(got, [y_ref, out_ref, slice_ref, chain_ref], strict=True):
+        assert_close(out, ref, dtype)
+    assert (ys.cpu()[~lay.row_valid.cpu()] == 0).all()  # segment padding rows exactly zero
+
+
+def test_pallas_feature_tiles_on_xla_device():
+    """block_d < D exercises the shrink accumulator, block_o < O the expand O grid."""
+    case, wide, (y_ref, out_ref, _) = _case_and_ref(16, 64, 4, F32, "distinct")
+    dev = platform.xla_device()
+    x, a, b, idx, s, base, y = (v.to(dev) for v in case)
+    lay = bgmv_xla.make_segment_layout(idx, 4, 8)
+    ys = bgmv_pallas.segment_shrink(x, a, lay, s, block_d=128)
+    out = bgmv_pallas.segment_expand(bgmv_xla.to_segment_order(y, lay), b, lay, base, block_o=128)
+    platform.sync()
+    assert_close(bgmv_xla.to_token_order(ys, lay), y_ref, F32)
+    assert (ys.cpu()[~lay.row_valid.cpu()] == 0).all()
+    assert_close(out, out_ref, F32)
+
+
+def test_new_indices_and_weights_do_not_recompile():
+    """After the first step, a new adapter mix (same shapes) must compile nothing."""
+    dev = platform.xla_device()
+
+    def step(dist, seed):
+        case = make_case(64, D, OUT, 16, 4, F32, dist, seed=seed)
+        x, a, b, idx, s, base, _ = (v.to(dev) for v in case)
+        outs = []
+        for backend in ("xla", "pallas"):
+            lay = ops.make_segment_layout(idx, 4, 8)
+            ys = ops.segment_shrink(x, a, lay, s, backend=backend)
+            outs.append(ops.segment_expand(ys, b, lay, base, backend=backend))
+        platform.sync()
+        return case, outs
+
+    step("uniform", 1)
+    before = platform.compile_count()
+    case, outs = step("skewed", 2)
+    assert platform.compile_count() == before
+    y_ref = bgmv_shrink_ref(case.x, case.lora_a, case.idx, case.scale)
+    ref = bgmv_expand_slice_ref(y_ref, case.lora_b, case.idx, case.base, 0, OUT)
+    for out in outs:
+        assert_close(out, ref, F32)
+
+
+def test_resolve_backend():
+    assert ops.resolve_backend("auto") == ("pallas" if platform.is_tpu() else "xla")
+    assert ops.resolve_backend("pallas") == "pallas"
+    with pytest.raises(ValueError, match="'triton'"):
+        ops.resolve_backend("triton")
+    with pytest.raises(ValueError, match="'cuda'"):
+        ops.bgmv_shrink(
+            torch.zeros(1, 8),
+            torch.zeros(1, 8, 8),
+            torch.zeros(1, dtype=torch.int32),
+            torch.ones(1),
+            backend="cuda",
+        )
+
+
+# ---- the kernels as plain JAX functions (jax's own CPU backend, interpret mode) ----
+
+
+@pytest.mark.parametrize(
+    "t,r,n,dtype,dist,block,tile",
+    [
+        (133, 16, 4, F32, "skewed", 8, 128),
+        (7, 64, 8, BF16, "distinct", 16, None),
+        (512, 8, 2, F32, "uniform", 8, None),
+    ],
+)
+def test_pallas_kernels_in_jax(t, r, n, dtype, dist, block, tile):
+    case, _, (y_ref, out_ref, _) = _case_and_ref(t, r, n, dtype, dist)
+    lay = bgmv_xla.make_segment_layout(case.idx, n, block)
+    jdt = jnp.float32 if dtype == F32 else jnp.bfloat16
+
+    def j(t_):
+        return jnp.asarray(t_.float().numpy()).astype(jdt)
+
+    slots = jnp.asarray(lay.block_slot.numpy())
+    ys = bgmv_pallas.shrink_kernel(
+        slots, j(case.x[lay.perm.long()]), j(case.lora_a), block=block, block_d=tile, interpret=True
+    )
+    zs = bgmv_pallas.expand_kernel(
+        slots,
+        j(bgmv_xla.to_segment_order(case.y, lay)),
+        j(case.lora_b),
+        block=block,
+        block_o=tile,
+        interpret=True,
+    )
+    ys = torch.from_numpy(np.array(ys.astype(jnp.float32)))
+    zs = torch.from_numpy(np.array(zs.astype(jnp.float32)))
+    # Padding blocks are written as exact zeros by the kernel itself.
+    pad_rows = (lay.block_slot < 0).repeat_interleave(block)
+    assert (ys[pad_rows] == 0).all() and (zs[pad_rows] == 0).all()
+    scale = torch.where(case.idx >= 0, case.scale[case.idx.clamp(min=0).long()], 0.0)
+    y = torch.where(lay.token_valid[:, None], ys[lay.dest.long()] * scale[:, None], 0.0)
+    assert_close(y, y_ref, dtype)
+    z = torch.where(lay.token_valid[:, None], zs[lay.dest.long()], 0.0)
+    assert_close(z + case.base.float(), out_ref, dtype)
+
+
+def test_pallas_kernel_value_errors_name_shapes():
+    slots = jnp.zeros((8,), jnp.int32)
+    xs, a = jnp.zeros((64, 200)), jnp.zeros((4, 8, 200))
+    with pytest.raises(ValueError, match="D tile 100 must divide D=200"):
+        bgmv_pallas.shrink_kernel(slots, xs, a, block=8, block_d=100, interpret=True)
+    with pytest.raises(ValueError, match="token block 4"):
+        bgmv_pallas.shrink_kernel(jnp.zeros((16,), jnp.int32), xs, a, block=4, interpret=True)
+    with pytest.raises(ValueError, match=r"lora_b \(4, 200, 16\)"):
+        bgmv_pallas.expand_kernel(
+            slots, jnp.zeros((64, 8)), jnp.zeros((4, 200, 16)), block=8, interpret=True
+        )
+    assert jax.devices()[0].platform == "cpu"
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_under_torch_compile_openxla(backend):
+    """The runner may trace with torch.compile(backend="openxla", fullgraph=True): the
+    Pallas path must not graph-break (call_jax is hidden behind a torch custom op)."""
+    case, _, (y_ref, _, _) = _case_and_ref(16, 64, 4, F32, "distinct")
+    ref = bgmv_expand_slice_ref(y_ref, case.lora_b, case.idx, case.base, 0, OUT)
+    dev = platform.xla_device()
+    x, a, b, idx, s, base, _ = (v.to(dev) for v in case)
+
+    def step(x, a, b, idx, s, base):
+        lay = ops.make_segment_layout(idx, 4, backend=backend)
+        ys = ops.segment_shrink(x, a, lay, s, backend=backend)
+        return ops.segment_expand(ys, b, lay, base, backend=backend)
+
+    compiled = torch.compile(step, backend="openxla", fullgraph=True, dynamic=False)
+    out = compiled(x, a, b, idx, s, base)
+    platform.sync()
+    assert_close(out, ref, F32)

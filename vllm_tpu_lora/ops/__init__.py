@@ -1,0 +1,180 @@
+"""LoRA ops with backend dispatch: "xla" (plain torch ops), "pallas" (Pallas kernel via
+call_jax) or "auto" (pallas on TPU, xla elsewhere).
+
+Named dims: T tokens, D in-features, O out-features, R rank, N slots.
+
+Per forward step a caller builds ONE `make_segment_layout(idx, N)` and passes it to
+every layer's `segment_shrink` / `segment_expand`; the `bgmv_*` functions are
+self-contained compositions for callers that hold only `idx`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_tpu_lora.ops import bgmv_xla
+from vllm_tpu_lora.ops.bgmv_xla import SegmentLayout, padded_num_tokens
+from vllm_tpu_lora.ops.block_sizes import token_block
+
+BACKENDS = ("xla", "pallas")
+# Strategy of the xla backend: "onehot" won on XLA CPU except at N=8, R=16 where
+# "segment" was ~20-30% faster (benchmarks/benchmark_ops.py; see bgmv_xla's docstring).
+XLA_STRATEGY = "onehot"
+
+__all__ = [
+    "BACKENDS",
+    "SegmentLayout",
+    "bgmv_expand",
+    "bgmv_expand_slice",
+    "bgmv_shrink",
+    "make_segment_layout",
+    "padded_num_tokens",
+    "resolve_backend",
+    "segment_expand",
+    "segment_shrink",
+]
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """Map "auto" to "pallas" on TPU and "xla" elsewhere; "xla"/"pallas" pass through."""
+    if backend == "auto":
+        from vllm_tpu_lora import platform
+
+        return "pallas" if platform.is_tpu() else "xla"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown LoRA backend {backend!r}; expected 'auto', 'xla' or 'pallas'")
+    return backend
+
+
+def _use_onehot(backend: str) -> bool:
+    return resolve_backend(backend) == "xla" and XLA_STRATEGY == "onehot"
+
+
+def _impl(backend: str):
+    if resolve_backend(backend) == "pallas":
+        # Imported lazily: jax + pallas cost ~1 s to import and xla users never need them.
+        from vllm_tpu_lora.ops import bgmv_pallas
+
+        return bgmv_pallas
+    return bgmv_xla
+
+
+def make_segment_layout(
+    idx: torch.Tensor,
+    num_slots: int,
+    block: int | None = None,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+) -> SegmentLayout:
+    """Semantics: sort tokens by slot into block-aligned segments, on device.
+
+    Shapes: idx int [T] -> SegmentLayout with T_pad = padded_num_tokens(T, N, B)
+    rows. B defaults to block_sizes.token_block(dtype, backend).
+    """
+    if block is None:
+        block = token_block(dtype, resolve_backend(backend))
+    return bgmv_xla.make_segment_layout(idx, num_slots, block)
+
+
+def segment_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    layout: SegmentLayout,
+    scale: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Semantics: ys[r] = scale[s] * x[perm[r]] @ lora_a[s].T, s = slot of row r's block.
+
+    Shapes: x [T, D], lora_a [N, R, D], scale [N] -> ys [T_pad, R] (segment layout,
+    padding rows zero).
+    """
+    if _use_onehot(backend):
+        # The layout still carries idx, so the one-hot path keeps the same contract.
+        y = bgmv_xla.onehot_shrink(x, lora_a, layout.idx, scale)
+        return bgmv_xla.to_segment_order(y, layout)
+    return _impl(backend).segment_shrink(x, lora_a, layout, scale)
+
+
+def segment_expand(
+    ys: torch.Tensor,
+    lora_b: torch.Tensor,
+    layout: SegmentLayout,
+    base: torch.Tensor,
+    offset: int = 0,
+    size: int | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Semantics: out[t, offset:offset+size] = base[t, offset:offset+size] + ys[dest[t]] @ lora_b[idx[t]].T.
+
+    Shapes: ys [T_pad, R], lora_b [N, size, R], base [T, O_total] -> [T, O_total];
+    rows with idx < 0 and columns outside the slice are base unchanged.
+    """
+    if _use_onehot(backend):
+        y = bgmv_xla.to_token_order(ys, layout)
+        return bgmv_xla.onehot_expand(y, lora_b, layout.idx, base, offset, size)
+    return _impl(backend).segment_expand(ys, lora_b, layout, base, offset, size)
+
+
+def _layout_for(idx: torch.Tensor, num_slots: int, backend: str, dtype) -> SegmentLayout:
+    return bgmv_xla.make_segment_layout(idx, num_slots, token_block(dtype, backend))
+
+
+def bgmv_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Semantics: y[t] = scale[idx[t]] * x[t] @ lora_a[idx[t]].T, y[t] = 0 where idx[t] < 0.
+
+    Shapes: x [T, D], lora_a [N, R, D], idx int32 [T], scale [N] -> y [T, R] (x.dtype).
+    """
+    if _use_onehot(backend):
+        return bgmv_xla.onehot_shrink(x, lora_a, idx, scale)
+    backend = resolve_backend(backend)
+    layout = _layout_for(idx, lora_a.shape[0], backend, x.dtype)
+    ys = _impl(backend).segment_shrink(x, lora_a, layout, scale)
+    return bgmv_xla.to_token_order(ys, layout)
+
+
+def bgmv_expand_slice(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    idx: torch.Tensor,
+    base: torch.Tensor,
+    offset: int,
+    size: int,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Semantics: out[t, offset:offset+size] = base[t, offset:offset+size] + y[t] @ lora_b[idx[t]].T.
+
+    Shapes: y [T, R], lora_b [N, size, R], idx int32 [T], base [T, O_total] ->
+    [T, O_total] (base.dtype); rows with idx < 0 and other columns unchanged.
+    """
+    if _use_onehot(backend):
+        return bgmv_xla.onehot_expand(y, lora_b, idx, base, offset, size)
+    backend = resolve_backend(backend)
+    layout = _layout_for(idx, lora_b.shape[0], backend, y.dtype)
+    ys = bgmv_xla.to_segment_order(y, layout)
+    return _impl(backend).segment_expand(ys, lora_b, layout, base, offset, size)
+
+
+def bgmv_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    idx: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Semantics: out[t] = base[t] + y[t] @ lora_b[idx[t]].T, out[t] = base[t] where idx[t] < 0.
+
+    Shapes: y [T, R], lora_b [N, O, R], idx int32 [T], base [T, O] -> [T, O] (base.dtype).
+    """
+    return bgmv_expand_slice(y, lora_b, idx, base, 0, lora_b.shape[1], backend=backend)
