@@ -1,0 +1,314 @@
+"""Load a PEFT LoRA adapter directory into a `LoRAModel` laid out like our model: q/k/v into
+qkv_proj's slices, gate/up into gate_up_proj's, o_proj and down_proj as single slices.
+
+Everything is validated before anything is returned, so a rejected adapter leaves nothing
+half-loaded; each rejection is a ValueError starting "Loading lora {name} failed: ", in vLLM's
+wording where vLLM has one. As in vLLM, the tensors say which modules are adapted: PEFT skips
+listed target modules a model lacks, so target_modules may name more than was trained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import NamedTuple
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from vllm_tpu_lora.lora.models import LoRAModel, LoRASliceWeights
+
+__all__ = ["LoRAModel", "LoRASliceWeights", "load_peft_adapter"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_SAFETENSORS = "adapter_model.safetensors"
+ADAPTER_BIN = "adapter_model.bin"
+# Modules that are LoRA-wrapped unpacked; the packed ones come from packed_modules_mapping.
+_UNPACKED = ("o_proj", "down_proj")
+_UNSUPPORTED_MODULES = ("embed_tokens", "lm_head")
+# Config fields whose truthy value changes what the adapter computes in ways we don't implement
+# (a bias on lora_B, repeated layers, activated LoRA, trained token rows, LoRA on nn.Parameter).
+_UNSUPPORTED_FEATURES = ("lora_bias", "layer_replication", "alora_invocation_tokens",
+                         "trainable_token_indices", "target_parameters")
+
+
+class _Invalid(Exception):
+    """A problem with the adapter; load_peft_adapter adds the adapter's name."""
+
+
+class _Target(NamedTuple):
+    """Where one PEFT module (e.g. model.layers.0.self_attn.k_proj) lives in our model."""
+    module: str  # our module name (model.layers.0.self_attn.qkv_proj)
+    slice: int
+    num_slices: int
+    in_features: int
+    out_features: int  # of this slice
+
+
+def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
+                      dtype: torch.dtype = torch.float32) -> LoRAModel:
+    """Read, validate and repack the adapter at `lora_request.lora_path` for `model`.
+
+    `model` only supplies names and shapes (its `packed_modules_mapping`, and in/out features
+    of each target layer, also through a LoRA wrapper's `base_layer`); it is not modified.
+    Returns host tensors in `dtype`; raises ValueError naming the adapter on any problem.
+    """
+    try:
+        return _load(lora_request, model, max_lora_rank, dtype)
+    except _Invalid as e:
+        raise ValueError(f"Loading lora {lora_request.lora_name} failed: {e}") from e.__cause__
+
+
+def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype) -> LoRAModel:
+    path = lora_request.lora_path
+    cfg = _read_config(path)
+    _check_config(cfg)
+    tensors = _read_weights(path)
+    targets = _model_targets(model)
+    pairs = _group_tensors(tensors, targets, cfg, path)
+    modules = _build_modules(pairs, targets, cfg, dtype)
+    rank = max(s.rank for slices in modules.values() for s in slices if s is not None)
+    if rank > max_lora_rank:
+        raise _Invalid(f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}.")
+    return LoRAModel(name=lora_request.lora_name, int_id=lora_request.lora_int_id, path=path,
+                     rank=rank, modules=modules)
+
+
+# ---- files ------------------------------------------------------------------------------
+
+def _read_config(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise _Invalid(f"No adapter found for {path} (no such directory)")
+    cfg_path = os.path.join(path, ADAPTER_CONFIG)
+    if not os.path.isfile(cfg_path):
+        raise _Invalid(f"No adapter found for {path} ({ADAPTER_CONFIG} is missing)")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _Invalid(f"cannot read {cfg_path}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise _Invalid(f"{cfg_path} is not a JSON object")
+    return cfg
+
+
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    st_path, bin_path = os.path.join(path, ADAPTER_SAFETENSORS), os.path.join(path, ADAPTER_BIN)
+    file = next((f for f in (st_path, bin_path) if os.path.isfile(f)), None)
+    if file is None:
+        raise _Invalid(f"No adapter found for {path} (neither {ADAPTER_SAFETENSORS} "
+                       f"nor {ADAPTER_BIN} exists)")
+    try:
+        if file == st_path:
+            tensors = load_file(file, device="cpu")
+        else:  # weights_only: a pickle from an untrusted adapter must not run code
+            tensors = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors, pickle and zip errors share no base class
+        # torch's own text advises weights_only=False, which we never do: don't echo it.
+        detail = str(e) if file == st_path else (
+            f"torch.load(weights_only=True) failed with {type(e).__name__}; the file is "
+            "corrupt or holds more than plain tensors")
+        raise _Invalid(f"cannot read {file}: {detail}") from e
+    if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+        raise _Invalid(f"{file} does not hold a flat name -> tensor state dict")
+    return tensors
+
+
+# ---- config -----------------------------------------------------------------------------
+
+def _check_config(cfg: dict) -> None:
+    peft_type = cfg.get("peft_type", "LORA")  # vLLM doesn't require the field either
+    if peft_type != "LORA":
+        raise _Invalid(f"peft_type {peft_type!r} is not supported; only LoRA adapters "
+                       "(peft_type 'LORA') can be loaded.")
+    missing = {"r", "lora_alpha", "target_modules"} - cfg.keys()
+    if missing:
+        raise _Invalid(f"Missing required configuration fields: {sorted(missing)}")
+    if cfg.get("use_dora"):
+        raise _Invalid("vLLM does not yet support DoRA.")
+    if cfg.get("modules_to_save"):
+        raise _Invalid("vLLM only supports modules_to_save being None "
+                       f"(got modules_to_save={cfg['modules_to_save']!r}).")
+    if cfg.get("bias", "none") != "none":
+        raise _Invalid(f"bias={cfg['bias']!r} is not supported; only bias='none' adapters "
+                       "(no trained biases) can be loaded.")
+    for key in _UNSUPPORTED_FEATURES:
+        if cfg.get(key):
+            raise _Invalid(f"{key}={cfg[key]!r} is not supported.")
+    r = cfg["r"]
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise _Invalid(f"r must be a positive integer, got {r!r}")
+    if not _is_number(cfg["lora_alpha"]):
+        raise _Invalid(f"lora_alpha must be a number, got {cfg['lora_alpha']!r}")
+    _check_target_modules(cfg["target_modules"])
+    for field in ("rank_pattern", "alpha_pattern"):
+        cfg[field] = dict(cfg.get(field) or {})  # older exports write null for "none"
+        for key, value in cfg[field].items():
+            _compile(key, field)
+            if not _is_number(value):
+                raise _Invalid(f"{field}[{key!r}] must be a number, got {value!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_target_modules(tm) -> None:
+    if isinstance(tm, str):
+        if tm.lower() == "all-linear":  # PEFT's all-linear never includes the output layer
+            return
+        pattern = _compile(tm, "target_modules")
+        # PEFT full-matches the string against module names such as these two.
+        hits = [n for n in ("model.embed_tokens", "lm_head") if pattern.fullmatch(n)]
+    elif isinstance(tm, list) and all(isinstance(t, str) for t in tm):
+        hits = [t for t in tm if t.rsplit(".", 1)[-1] in _UNSUPPORTED_MODULES]
+    else:
+        raise _Invalid(f"target_modules must be a string or a list of strings, got {tm!r}")
+    if hits:
+        raise _Invalid(_unsupported_module_msg(hits))
+
+
+def _compile(pattern: str, field: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise _Invalid(f"{field} has an invalid regular expression {pattern!r}: {e}") from e
+
+
+def _unsupported_module_msg(names) -> str:
+    return (f"LoRA on {', '.join(sorted(set(names)))} is not supported: embed_tokens and lm_head "
+            "adapters cannot be loaded (only q/k/v/o/gate/up/down_proj).")
+
+
+def _is_targeted(tm, module: str) -> bool:
+    """PEFT's own test (check_target_module_exists) of whether target_modules covers a module."""
+    if isinstance(tm, str):
+        return tm.lower() == "all-linear" or re.fullmatch(tm, module) is not None
+    return module in tm or any(module.endswith(f".{t}") for t in tm)
+
+
+def _pattern_value(pattern: dict, module: str, default):
+    """rank_pattern/alpha_pattern lookup with PEFT's get_pattern_key semantics: the first key
+    (in the config's order) that matches a dot-bounded suffix of the module name wins."""
+    for key in pattern:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return pattern[key]
+    return default
+
+
+# ---- tensors ----------------------------------------------------------------------------
+
+def _model_targets(model: nn.Module) -> dict[str, _Target]:
+    """PEFT module name -> where it lives in our model, for every LoRA-capable layer."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    targets: dict[str, _Target] = {}
+    for name, module in model.named_modules():
+        prefix, _, leaf = name.rpartition(".")
+        base = getattr(module, "base_layer", module)  # a LoRA wrapper keeps the layer here
+        if leaf in packed:
+            parts, sizes = packed[leaf], base.output_sizes
+            for i, part in enumerate(parts):
+                targets[f"{prefix}.{part}"] = _Target(name, i, len(parts), base.in_features,
+                                                      sizes[i])
+        elif leaf in _UNPACKED:
+            targets[name] = _Target(name, 0, 1, base.in_features, base.out_features)
+    return targets
+
+
+def _parse_key(key: str) -> tuple[str, str, str | None, str | None] | None:
+    """'base_model.model.X.lora_A[.adapter].weight' -> (X, 'lora_A', adapter, 'weight')."""
+    parts = key.removeprefix("base_model.model.").split(".")
+    for i, part in enumerate(parts):
+        if part in ("lora_A", "lora_B"):
+            rest = parts[i + 1:]
+            param = rest.pop() if rest and rest[-1] in ("weight", "bias") else None
+            if len(rest) > 1:
+                return None
+            return ".".join(parts[:i]), part, (rest[0] if rest else None), param
+    return None
+
+
+def _group_tensors(tensors: dict[str, torch.Tensor], targets: dict[str, _Target], cfg: dict,
+                   path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """PEFT module name -> {'lora_A': tensor, 'lora_B': tensor}, every key accounted for."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    unexpected: set[str] = set()
+    adapter_names: set[str | None] = set()
+    for key, tensor in tensors.items():
+        parts = key.removeprefix("base_model.model.").split(".")
+        # Also catches PEFT's saved base embeddings ('embed_tokens.base_layer.weight').
+        bad = next((i for i, p in enumerate(parts) if p in _UNSUPPORTED_MODULES), None)
+        if bad is not None:
+            raise _Invalid(_unsupported_module_msg([".".join(parts[:bad + 1])]))
+        parsed = _parse_key(key)
+        if parsed is None:
+            raise _Invalid(f"unexpected tensor {key!r}: only lora_A/lora_B weights are supported.")
+        module, kind, adapter, param = parsed
+        if param != "weight":
+            raise _Invalid(f"unexpected tensor {key!r}: only lora_A/lora_B weights are "
+                           "supported (a bias on lora_B is not).")
+        if module not in targets:
+            unexpected.add(module)
+            continue
+        adapter_names.add(adapter)
+        pairs.setdefault(module, {})[kind] = tensor
+    if unexpected:  # vLLM's check and text
+        expected = sorted({name.rsplit(".", 1)[-1] for name in targets})
+        raise _Invalid(f"While loading {path}, expected target modules in {expected} but received "
+                       f"{sorted(unexpected)}. Please verify that the loaded LoRA module is correct")
+    if len(adapter_names) > 1:  # e.g. both '.lora_A.weight' and '.lora_A.default.weight'
+        raise _Invalid(f"the weights hold several adapters {sorted(map(str, adapter_names))}; "
+                       "expected exactly one.")
+    for module, ab in pairs.items():
+        # PEFT would ignore weights of a module target_modules doesn't cover: an inconsistent
+        # adapter, whichever of the two is wrong.
+        if not _is_targeted(cfg["target_modules"], module):
+            raise _Invalid(f"weights for {module} are present but target_modules="
+                           f"{cfg['target_modules']!r} does not cover it.")
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise _Invalid(f"{module} has {sorted(ab)} but needs both lora_A and lora_B.")
+    if not pairs:
+        raise _Invalid(f"{path} holds no LoRA weights.")
+    return pairs
+
+
+def _build_modules(pairs, targets: dict[str, _Target], cfg: dict,
+                   dtype: torch.dtype) -> dict[str, list[LoRASliceWeights | None]]:
+    modules: dict[str, list[LoRASliceWeights | None]] = {}
+    for name in sorted(pairs):
+        target = targets[name]
+        a, b = pairs[name]["lora_A"], pairs[name]["lora_B"]
+        r = _checked_rank(name, a, b, target, cfg)
+        alpha = _pattern_value(cfg["alpha_pattern"], name, cfg["lora_alpha"])
+        # PEFT's LoraLayer.update_layer: the scaling is computed from the module's own r/alpha.
+        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        a, b = _finite(name, "lora_A", a, dtype), _finite(name, "lora_B", b, dtype)
+        slices = modules.setdefault(target.module, [None] * target.num_slices)
+        slices[target.slice] = LoRASliceWeights(lora_a=a, lora_b=b, scale=float(scale))
+    return modules
+
+
+def _checked_rank(name: str, a: torch.Tensor, b: torch.Tensor, target: _Target, cfg: dict) -> int:
+    if (a.dim() != 2 or b.dim() != 2 or a.shape[1] != target.in_features
+            or b.shape[0] != target.out_features or a.shape[0] != b.shape[1]):
+        raise _Invalid(f"weight shapes of {name} do not match the base model: lora_A "
+                       f"{tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
+                       f"(r, {target.in_features}) and ({target.out_features}, r).")
+    r = a.shape[0]
+    expected = _pattern_value(cfg["rank_pattern"], name, cfg["r"])
+    if r != expected:
+        raise _Invalid(f"{name} has rank {r} in its weights but adapter_config.json gives "
+                       f"rank {expected} (r / rank_pattern).")
+    return r
+
+
+def _finite(name: str, kind: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Checked after the cast, so values that overflow the serving dtype are caught too.
+    out = tensor.to(dtype=dtype).contiguous()
+    if not torch.isfinite(out).all():
+        raise _Invalid(f"{kind} of {name} contains NaN or Inf values (in {dtype}).")
+    return out
