@@ -21,6 +21,7 @@ from vllm_tpu_lora.engine.output_processor import (
 )
 from vllm_tpu_lora.engine.scheduler import Scheduler
 from vllm_tpu_lora.engine.sequence import Sequence, SequenceStatus
+from vllm_tpu_lora.lora.request import LoRARequest
 from vllm_tpu_lora.models.loader import load_model, resolve_dtype
 from vllm_tpu_lora.outputs import RequestOutput
 from vllm_tpu_lora.runner.model_runner import ModelRunner
@@ -42,19 +43,37 @@ class LLMEngine:
         model = load_model(mc.model, mc.hf_config, cc.block_size, dtype)
         self.vocab_size = mc.hf_config["vocab_size"]
         num_layers = mc.hf_config["num_hidden_layers"]
-        slot_shape = model.kv_cache_shape(1)
-        num_blocks = self._num_kv_blocks(num_layers, slot_shape, dtype.itemsize)
+        slot_elems = sum(int(np.prod(shape)) for shape in model.kv_cache_shapes(1))
+        num_blocks = self._num_kv_blocks(num_layers, slot_elems, dtype.itemsize)
         self.block_manager = BlockManager(num_blocks, cc.block_size)
-        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens)
+        lc = config.lora_config
+        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
+                                   max_loras=lc.max_loras if lc else None)
+        self.lora_manager, punica = self._setup_lora(model, dtype) if lc else (None, None)
         self.runner = ModelRunner(
-            model, num_layers=num_layers, kv_cache_shape=model.kv_cache_shape(num_blocks * cc.block_size),
+            model, num_layers=num_layers, kv_cache_shapes=model.kv_cache_shapes(num_blocks * cc.block_size),
             kv_dtype=dtype, block_size=cc.block_size, max_model_len=self.max_model_len,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-            eos_token_id=self.eos_token_id)
+            eos_token_id=self.eos_token_id, lora_manager=self.lora_manager, punica=punica)
         self._rng = np.random.default_rng(mc.seed)
         self._requests: dict[str, RequestState] = {}
         self._counter = itertools.count()
         self.num_steps = 0
+
+    def _setup_lora(self, model, dtype):
+        """Wrap the model's linears with LoRA layers (from outside: the model stays plain)."""
+        from vllm_tpu_lora.lora.layers import wrap_lora_layers
+        from vllm_tpu_lora.lora.manager import LoRAManager
+        from vllm_tpu_lora.lora.punica import PunicaWrapper
+
+        lc = self.config.lora_config
+        lora_dtype = dtype if lc.lora_dtype == "auto" else resolve_dtype(lc.lora_dtype)
+        punica = PunicaWrapper(lc.lora_backend)
+        layers = wrap_lora_layers(model, punica, lc.max_loras, lc.max_lora_rank, lora_dtype)
+        manager = LoRAManager(model, layers, max_loras=lc.max_loras,
+                              max_lora_rank=lc.max_lora_rank, max_cpu_loras=lc.max_cpu_loras,
+                              dtype=lora_dtype)
+        return manager, punica
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -65,13 +84,13 @@ class LLMEngine:
                         engine.runner.warmup_seconds)
         return engine
 
-    def _num_kv_blocks(self, num_layers: int, slot_shape: tuple, itemsize: int) -> int:
+    def _num_kv_blocks(self, num_layers: int, slot_elems: int, itemsize: int) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         per_seq = blocks_needed(self.max_model_len, cc.block_size)
         if cc.num_kv_blocks is not None:
             num = cc.num_kv_blocks
         else:
-            bytes_per_block = num_layers * cc.block_size * int(np.prod(slot_shape)) * itemsize
+            bytes_per_block = num_layers * cc.block_size * slot_elems * itemsize
             # No point holding more than every sequence at full length (+ the null block).
             num = min(cc.kv_cache_memory_bytes // bytes_per_block, sc.max_num_seqs * per_seq + 1)
         if num - 1 < per_seq:
@@ -129,8 +148,39 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _check_lora_request(self, lora_request: Any) -> None:
-        if lora_request is not None:
+        if lora_request is None:
+            return
+        if self.lora_manager is None:
             raise ValueError("LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        self.lora_manager.add_lora(lora_request)
+
+    # ---- adapters (vLLM's LLMEngine names) ----
+
+    def _require_lora(self):
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        return self.lora_manager
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self._require_lora().add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        users = [s for s in self.scheduler.running + list(self.scheduler.waiting)
+                 if s.lora_int_id == lora_id]
+        if users:
+            raise ValueError(f"LoRA {lora_id} is in use by {len(users)} unfinished sequence(s); "
+                             "abort them or wait for them to finish before removing it")
+        return self._require_lora().remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._require_lora().list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        pinned = self._require_lora().pin_lora(lora_id)
+        self.scheduler.pinned_loras = set(self.lora_manager.pinned)
+        return pinned
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -190,4 +240,6 @@ class LLMEngine:
             "warmup_seconds": self.runner.warmup_seconds,
             "compilations_after_warmup": self.runner.guard.compilations_after_warmup,
             "device": platform.device_type(),
+            "lora_slots_in_use": self.lora_manager.num_slots_in_use if self.lora_manager else 0,
+            "lora_slot_loads": self.lora_manager.num_slot_loads if self.lora_manager else 0,
         }

@@ -56,6 +56,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._head_skips = 0
         self.num_preemptions = 0
+        # Pinned adapters hold device slots for good, so they count against max_loras.
+        self.pinned_loras: set[int] = set()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,7 +66,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def running_lora_ids(self) -> set[int]:
-        return {s.lora_int_id for s in self.running if s.lora_int_id}
+        return {s.lora_int_id for s in self.running if s.lora_int_id} | self.pinned_loras
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -1,13 +1,19 @@
-"""Static-shape ragged paged attention.
+"""Static-shape ragged paged attention, and the KV cache layout, chosen by device here.
 
-KV cache layout per layer: `[num_blocks * block_size, 2 * num_kv_heads, head_dim]` with
-K and V heads interleaved (k0, v0, k1, v1, ...). This is the page layout of torch_xla's
-`ragged_paged_attention` TPU kernel viewed flat, so the same cache serves both paths.
+KV cache per layer, a tuple of flat slot-major tensors:
+- CPU: `(k [num_blocks * block_size, num_kv_heads, head_dim], v [same])`. Separate K and
+  V keep the gathered pages contiguous; with K/V interleaved XLA's CPU backend spent 5x
+  longer on the strided copies than on the attention itself.
+- TPU: `(kv [num_blocks * block_size, 2 * num_kv_heads, head_dim],)` with K and V heads
+  interleaved (k0, v0, k1, v1, ...): the page layout of torch_xla's
+  `ragged_paged_attention` kernel, viewed flat.
 
 Every step, each token first writes its own K/V into its slot, then attends to the
-first `kv_len` slots of its sequence through its sequence's block table. All shapes are
-fixed by the (token bucket, request bucket) of the step; padding tokens write to the
-reserved block 0 and read one slot of it.
+first `kv_len` slots of its sequence through its sequence's block table. On CPU the
+queries are grouped in blocks of one sequence's tokens (see runner/input_batch.py), so
+KV pages are gathered once per query block, not once per token. All shapes are fixed by
+the token bucket of the step; padding tokens write to the reserved block 0 and read one
+slot of it.
 """
 
 from __future__ import annotations
@@ -22,8 +28,12 @@ from vllm_tpu_lora import platform
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: KV write slot of each token
-    token_block_tables: torch.Tensor  # [T, MB] int64: block table of each token's sequence
-    token_kv_lens: torch.Tensor  # [T] int32: keys each token attends to (position + 1)
+    # Query blocks (CPU path): [NQB, Q] token rows, [NQB, MB] block tables, [NQB, Q] kv
+    # lengths (position + 1), and [T] the row of each token in the [NQB * Q] output.
+    q_block_token_idx: torch.Tensor
+    q_block_tables: torch.Tensor
+    q_block_kv_lens: torch.Tensor
+    token_out_index: torch.Tensor
     # Per-sequence form used by the TPU kernel: [R], [R, MB], [R + 1], [1].
     seq_kv_lens: torch.Tensor
     seq_block_tables: torch.Tensor
@@ -31,36 +41,46 @@ class AttentionMetadata:
     num_seqs: torch.Tensor
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-    """Scatter this step's K/V [T, Hkv, D] into their slots of the flat cache, in place."""
+def kv_cache_shapes(num_slots: int, num_kv_heads: int, head_dim: int) -> list[tuple]:
+    if platform.is_tpu():
+        return [(num_slots, 2 * num_kv_heads, head_dim)]
+    return [(num_slots, num_kv_heads, head_dim)] * 2
+
+
+def write_kv(kv_cache: tuple, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Scatter this step's K/V [T, Hkv, D] into their slots of the cache, in place."""
+    if len(kv_cache) == 2:
+        kv_cache[0].index_copy_(0, slots, k.to(kv_cache[0].dtype))
+        kv_cache[1].index_copy_(0, slots, v.to(kv_cache[1].dtype))
+        return
     t, hkv, d = k.shape
-    kv = torch.stack((k, v), dim=2).reshape(t, 2 * hkv, d).to(kv_cache.dtype)
-    kv_cache.index_copy_(0, slots, kv)
+    kv = torch.stack((k, v), dim=2).reshape(t, 2 * hkv, d).to(kv_cache[0].dtype)
+    kv_cache[0].index_copy_(0, slots, kv)
 
 
 def paged_attention_reference(
     q: torch.Tensor,  # [T, H, D]
-    kv_cache: torch.Tensor,  # [NB*BS, 2*Hkv, D]
+    kv_cache: tuple,  # (k, v), each [NB*BS, Hkv, D]
     meta: AttentionMetadata,
     block_size: int,
     scale: float,
 ) -> torch.Tensor:
     """Gather-based attention in plain torch ops: what XLA compiles on CPU."""
     t, h, d = q.shape
-    hkv = kv_cache.shape[1] // 2
+    hkv = kv_cache[0].shape[1]
     group = h // hkv
-    pages = kv_cache.view(-1, block_size, 2 * hkv, d)
-    gathered = pages[meta.token_block_tables]  # [T, MB, BS, 2Hkv, D]
-    ctx = gathered.shape[1] * block_size
-    gathered = gathered.reshape(t, ctx, hkv, 2, d)
-    keys, values = gathered[..., 0, :], gathered[..., 1, :]  # [T, L, Hkv, D]
-    qg = q.reshape(t, hkv, group, d).to(torch.float32)
-    scores = torch.einsum("tkgd,tlkd->tkgl", qg, keys.to(torch.float32)) * scale
-    visible = torch.arange(ctx, device=q.device)[None, :] < meta.token_kv_lens[:, None]
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    nqb, qb = meta.q_block_token_idx.shape
+    ctx = meta.q_block_tables.shape[1] * block_size
+    keys, values = (c.view(-1, block_size, hkv, d)[meta.q_block_tables].reshape(nqb, ctx, hkv, d)
+                    for c in kv_cache)  # [NQB, L, Hkv, D]
+    qg = q[meta.q_block_token_idx].reshape(nqb, qb, hkv, group, d).to(torch.float32)
+    scores = torch.einsum("bqkgd,blkd->bkgql", qg, keys.to(torch.float32)) * scale
+    visible = torch.arange(ctx, device=q.device) < meta.q_block_kv_lens[..., None]  # [NQB,Q,L]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("tkgl,tlkd->tkgd", probs, values.to(torch.float32))
-    return out.reshape(t, h * d).to(q.dtype)
+    out = torch.einsum("bkgql,blkd->bqkgd", probs, values.to(torch.float32))
+    out = out.reshape(nqb * qb, h * d)[meta.token_out_index]
+    return out.to(q.dtype)
 
 
 def paged_attention_tpu(q, kv_cache, meta: AttentionMetadata, block_size: int, scale: float):
@@ -68,7 +88,7 @@ def paged_attention_tpu(q, kv_cache, meta: AttentionMetadata, block_size: int, s
     from torch_xla.experimental.custom_kernel import ragged_paged_attention
 
     t, h, d = q.shape
-    pages = kv_cache.view(-1, block_size, kv_cache.shape[1], d)
+    pages = kv_cache[0].view(-1, block_size, kv_cache[0].shape[1], d)
     out = ragged_paged_attention(
         q,
         pages,

@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_tpu_lora.layers.attention import AttentionMetadata, attention_backend, write_kv
+from vllm_tpu_lora.layers.attention import (
+    AttentionMetadata,
+    attention_backend,
+    kv_cache_shapes,
+    write_kv,
+)
 from vllm_tpu_lora.layers.linear import MergedLinear
 from vllm_tpu_lora.layers.norm import RMSNorm
 from vllm_tpu_lora.layers.rotary import RotaryEmbedding, rope_params
@@ -118,9 +123,21 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        if self.lm_head is None:  # tied
+            return hidden @ self.model.embed_tokens.weight.t()
+        return self.lm_head(hidden)
 
-    def kv_cache_shape(self, num_slots: int) -> tuple[int, int, int]:
+    def untie_lm_head(self) -> None:
+        """Give a tied model its own lm_head (a copy of the embedding), so the logits
+        matmul can be laid out for the device like every other linear."""
+        if self.lm_head is None:
+            weight = self.model.embed_tokens.weight
+            self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                     device=weight.device, dtype=weight.dtype)
+            self.lm_head.weight.data.copy_(weight.data)
+            self.lm_head.requires_grad_(False)
+
+    def kv_cache_shapes(self, num_slots: int) -> list[tuple]:
+        """Per-layer KV cache tensors' shapes (layout chosen by the attention backend)."""
         attn = self.model.layers[0].self_attn
-        return (num_slots, 2 * attn.num_kv_heads, attn.head_dim)
+        return kv_cache_shapes(num_slots, attn.num_kv_heads, attn.head_dim)

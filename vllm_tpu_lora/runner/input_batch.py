@@ -3,11 +3,15 @@
 Token rows are padded to the token bucket T; per-sequence rows (sampling and the TPU
 attention kernel's metadata) to the request bucket R. Padding tokens write to and read
 from the reserved null block, padding rows sample garbage that nobody reads.
+
+For the CPU attention path each sequence's tokens are also cut into query blocks of Q
+tokens (one sequence per block), so a block gathers its sequence's KV pages once
+instead of once per token: a 256-token prefill chunk reads its context 16x less often.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -15,6 +19,7 @@ from vllm_tpu_lora.engine.block_manager import NULL_BLOCK
 from vllm_tpu_lora.engine.scheduler import ScheduledSeq
 
 MAX_BLOCKED_IDS = 8  # EOS + stop_token_ids masked out while min_tokens is not reached
+QUERY_BLOCK = 16
 
 
 @dataclass
@@ -23,9 +28,11 @@ class StepArrays:
     input_ids: np.ndarray
     positions: np.ndarray
     slot_mapping: np.ndarray
-    token_block_tables: np.ndarray  # [T, MB]
-    token_kv_lens: np.ndarray
-    token_lora_slot: np.ndarray  # -1: base model / padding
+    q_block_token_idx: np.ndarray  # [NQB, Q] token row of each query (padding: 0)
+    q_block_tables: np.ndarray  # [NQB, MB] block table of the block's sequence
+    q_block_kv_lens: np.ndarray  # [NQB, Q] keys each query sees (position + 1)
+    token_out_index: np.ndarray  # [T] row of each token in the flattened [NQB * Q] output
+    token_lora_idx: np.ndarray  # -1: base model / padding
     # sequence rows [R]
     seq_kv_lens: np.ndarray
     seq_block_tables: np.ndarray  # [R, MB]
@@ -41,14 +48,29 @@ class StepArrays:
     blocked_ids: np.ndarray  # [R, MAX_BLOCKED_IDS], -1 padded
     num_tokens: int
     num_seqs_real: int
+    active_slots: list[int] = field(default_factory=list)  # device slot per active position
 
 
-def _alloc(t: int, r: int, mb: int) -> dict[str, np.ndarray]:
+def query_block_shape(t_bucket: int, max_num_seqs: int) -> tuple[int, int]:
+    """(number of query blocks NQB, block size Q) for a token bucket: static per bucket.
+
+    Buckets no larger than max_num_seqs are mostly decodes (one token per sequence), so
+    Q = 1. Larger ones hold prefill chunks: Q = 16, and each sequence wastes at most one
+    partial block, hence T/Q + max_num_seqs blocks."""
+    if t_bucket <= max_num_seqs:
+        return t_bucket, 1
+    q = QUERY_BLOCK
+    return -(-t_bucket // q) + min(max_num_seqs, t_bucket), q
+
+
+def _alloc(t: int, r: int, mb: int, nqb: int, q: int) -> dict[str, np.ndarray]:
     return dict(
         input_ids=np.zeros(t, np.int64), positions=np.zeros(t, np.int64),
         slot_mapping=np.zeros(t, np.int64) + NULL_BLOCK,
-        token_block_tables=np.full((t, mb), NULL_BLOCK, np.int64),
-        token_kv_lens=np.ones(t, np.int32), token_lora_slot=np.full(t, -1, np.int32),
+        q_block_token_idx=np.zeros((nqb, q), np.int64),
+        q_block_tables=np.full((nqb, mb), NULL_BLOCK, np.int64),
+        q_block_kv_lens=np.ones((nqb, q), np.int32), token_out_index=np.zeros(t, np.int64),
+        token_lora_idx=np.full(t, -1, np.int32),
         seq_kv_lens=np.zeros(r, np.int32), seq_block_tables=np.full((r, mb), NULL_BLOCK, np.int64),
         cu_q_lens=np.zeros(r + 1, np.int32), num_seqs=np.zeros(1, np.int32),
         logits_indices=np.zeros(r, np.int64), temperature=np.zeros(r, np.float32),
@@ -69,11 +91,24 @@ def _sampling_row(a: dict, i: int, s: ScheduledSeq, eos_id: int | None) -> None:
         a["blocked_ids"][i, : len(blocked)] = blocked
 
 
+def _query_blocks(a: dict, first_block: int, rows: range, pos: np.ndarray, seq_row: int) -> int:
+    """Cut one sequence's token rows into query blocks; return the next free block."""
+    q = a["q_block_token_idx"].shape[1]
+    for j, start in enumerate(range(0, len(rows), q)):
+        blk, n = first_block + j, min(q, len(rows) - start)
+        token_rows = np.arange(rows.start + start, rows.start + start + n)
+        a["q_block_token_idx"][blk, :n] = token_rows
+        a["q_block_kv_lens"][blk, :n] = pos[start:start + n] + 1
+        a["q_block_tables"][blk] = a["seq_block_tables"][seq_row]
+        a["token_out_index"][token_rows] = blk * q + np.arange(n)
+    return first_block + -(-len(rows) // q)
+
+
 def prepare_step(scheduled: list[ScheduledSeq], t_bucket: int, r_bucket: int,
-                 max_blocks: int, block_size: int, lora_slot_of: dict[int, int],
-                 eos_id: int | None) -> StepArrays:
-    a = _alloc(t_bucket, r_bucket, max_blocks)
-    cursor = 0
+                 max_blocks: int, block_size: int, lora_position_of: dict[int, int],
+                 eos_id: int | None, max_num_seqs: int) -> StepArrays:
+    a = _alloc(t_bucket, r_bucket, max_blocks, *query_block_shape(t_bucket, max_num_seqs))
+    cursor, block = 0, 0
     for i, s in enumerate(scheduled):
         seq, n, start = s.seq, s.num_tokens, s.start
         rows = slice(cursor, cursor + n)
@@ -83,9 +118,8 @@ def prepare_step(scheduled: list[ScheduledSeq], t_bucket: int, r_bucket: int,
         a["positions"][rows] = pos
         a["slot_mapping"][rows] = table[pos // block_size] * block_size + pos % block_size
         a["seq_block_tables"][i, : len(table)] = table
-        a["token_block_tables"][rows] = a["seq_block_tables"][i]
-        a["token_kv_lens"][rows] = pos + 1
-        a["token_lora_slot"][rows] = lora_slot_of.get(seq.lora_int_id, -1)
+        block = _query_blocks(a, block, range(cursor, cursor + n), pos, i)
+        a["token_lora_idx"][rows] = lora_position_of.get(seq.lora_int_id, -1)
         a["seq_kv_lens"][i] = start + n
         a["cu_q_lens"][i + 1] = cursor + n
         a["logits_indices"][i] = cursor + n - 1

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from vllm_tpu_lora import platform
 from vllm_tpu_lora.engine.scheduler import ScheduledSeq
 from vllm_tpu_lora.layers.attention import AttentionMetadata
+from vllm_tpu_lora.layers.linear import pretranspose_linears
 from vllm_tpu_lora.layers.sampler import SamplingTensors, sample
 from vllm_tpu_lora.runner import buckets
 from vllm_tpu_lora.runner.compile_guard import CompileGuard
@@ -34,20 +35,24 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, *, num_layers: int, kv_cache_shape: tuple,
+    def __init__(self, model: torch.nn.Module, *, num_layers: int, kv_cache_shapes: list[tuple],
                  kv_dtype: torch.dtype, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, eos_token_id: int | None,
-                 lora_manager=None) -> None:
+                 lora_manager=None, punica=None) -> None:
         self.device = platform.xla_device()
+        model.untie_lm_head()
+        pretranspose_linears(model)
         self.model = model.to(self.device)
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.eos_token_id = eos_token_id
-        self.kv_caches = [torch.zeros(kv_cache_shape, dtype=kv_dtype, device=self.device)
-                          for _ in range(num_layers)]
+        self.kv_caches = [tuple(torch.zeros(shape, dtype=kv_dtype, device=self.device)
+                                for shape in kv_cache_shapes) for _ in range(num_layers)]
         self.token_ladder = buckets.token_buckets(max_num_batched_tokens)
         self.request_ladder = buckets.request_buckets(max_num_seqs)
-        self.lora_manager = lora_manager
+        self.max_num_seqs = max_num_seqs
+        self.lora_manager, self.punica = lora_manager, punica
+        self.slot_ladder = buckets.slot_buckets(lora_manager.max_loras if lora_manager else 0)
         self.guard = CompileGuard()
         self.warmup_seconds = 0.0
         self.num_graphs = 0
@@ -55,12 +60,18 @@ class ModelRunner:
 
     # ---- graphs ----
 
-    def _forward(self, a: StepArrays) -> torch.Tensor:
+    def _forward(self, a: StepArrays, num_slots: int) -> torch.Tensor:
         dev = self.device
         t = lambda x: torch.from_numpy(x).to(dev)  # noqa: E731
+        if self.punica is not None:
+            active = np.zeros(num_slots, np.int64)
+            active[: len(a.active_slots)] = a.active_slots
+            self.punica.set_step(num_slots, t(a.token_lora_idx) if num_slots else None,
+                                 t(active) if num_slots else None)
         meta = AttentionMetadata(
-            slot_mapping=t(a.slot_mapping), token_block_tables=t(a.token_block_tables),
-            token_kv_lens=t(a.token_kv_lens), seq_kv_lens=t(a.seq_kv_lens),
+            slot_mapping=t(a.slot_mapping), q_block_token_idx=t(a.q_block_token_idx),
+            q_block_tables=t(a.q_block_tables), q_block_kv_lens=t(a.q_block_kv_lens),
+            token_out_index=t(a.token_out_index), seq_kv_lens=t(a.seq_kv_lens),
             seq_block_tables=t(a.seq_block_tables), cu_q_lens=t(a.cu_q_lens),
             num_seqs=t(a.num_seqs))
         hidden = self.model(t(a.input_ids), t(a.positions), self.kv_caches, meta)
@@ -93,10 +104,13 @@ class ModelRunner:
         n_tok = sum(s.num_tokens for s in scheduled)
         t_b = buckets.pick(self.token_ladder, n_tok)
         r_b = buckets.pick(self.request_ladder, len(scheduled))
-        arrays = prepare_step(scheduled, t_b, r_b, self.max_blocks_per_seq, self.block_size,
-                              {}, self.eos_token_id)
         with self.guard.watch("model step"):
-            packed = self._sample(self._forward(arrays), arrays).cpu().numpy()
+            position_of, active_slots = self._activate_loras(scheduled)
+            s_b = buckets.pick(self.slot_ladder, len(active_slots))
+            arrays = prepare_step(scheduled, t_b, r_b, self.max_blocks_per_seq, self.block_size,
+                                  position_of, self.eos_token_id, self.max_num_seqs)
+            arrays.active_slots = active_slots
+            packed = self._sample(self._forward(arrays, s_b), arrays).cpu().numpy()
         n = len(scheduled)
         k = (packed.shape[1] - 3) // 2
         return StepResult(
@@ -104,6 +118,16 @@ class ModelRunner:
             ranks=packed[:n, 2].astype(np.int64),
             topk_ids=packed[:n, 3:3 + k].astype(np.int64) if want_logprobs else None,
             topk_logprobs=packed[:n, 3 + k:] if want_logprobs else None)
+
+    def _activate_loras(self, scheduled: list[ScheduledSeq]) -> tuple[dict[int, int], list[int]]:
+        """Adapters of this step into device slots: ({lora_int_id: active position},
+        [device slot of each active position])."""
+        requests = {s.seq.lora_int_id: s.seq.lora_request for s in scheduled if s.seq.lora_int_id}
+        if not requests:
+            return {}, []
+        slot_of = self.lora_manager.activate(requests)
+        ids = sorted(slot_of)
+        return {lid: pos for pos, lid in enumerate(ids)}, [slot_of[lid] for lid in ids]
 
     def sampler_pairs(self) -> list[tuple[int, int]]:
         """(token bucket, request bucket) pairs a step can reach: R seqs need >= R tokens."""
@@ -118,29 +142,43 @@ class ModelRunner:
         start = time.perf_counter()
         before = platform.compile_count()
         pairs = self.sampler_pairs()
-        bar = tqdm(total=len(self.token_ladder) + len(pairs), desc="Precompiling graphs",
-                   unit="graph")
+        n_fwd = len(self.token_ladder) * len(self.slot_ladder)
+        bar = tqdm(total=n_fwd + len(pairs), desc="Precompiling graphs", unit="graph")
+        if self.lora_manager is not None:  # also compiles the slot-write graph
+            warm = self.lora_manager.warmup_adapter()
+            for slot in range(self.lora_manager.max_loras):
+                self.lora_manager.write_slot(slot, warm)
         hidden = {}
         for t_b in self.token_ladder:
-            hidden[t_b] = self._forward(self._dummy(t_b, self.request_ladder[0]))
-            bar.update(1)
+            for s_b in self.slot_ladder:
+                hidden[t_b] = self._forward(self._dummy(t_b, self.request_ladder[0], s_b), s_b)
+                bar.update(1)
         for t_b, r_b in pairs:
-            self._sample(hidden[t_b], self._dummy(t_b, r_b)).cpu()
+            self._sample(hidden[t_b], self._dummy(t_b, r_b, 0)).cpu()
             bar.update(1)
         bar.close()
+        if self.lora_manager is not None:
+            self.lora_manager.clear_all_slots()
         self._zero_kv_caches()
         self.num_graphs = platform.compile_count() - before
         self.warmup_seconds = time.perf_counter() - start
         self.guard.arm()
 
-    def _dummy(self, t_b: int, r_b: int) -> StepArrays:
-        return prepare_step([], t_b, r_b, self.max_blocks_per_seq, self.block_size, {},
-                            self.eos_token_id)
+    def _dummy(self, t_b: int, r_b: int, s_b: int) -> StepArrays:
+        """An all-padding step; with s_b > 0 the padding tokens cycle through the slots so
+        the LoRA graph is traced with every slot in play."""
+        a = prepare_step([], t_b, r_b, self.max_blocks_per_seq, self.block_size, {},
+                         self.eos_token_id, self.max_num_seqs)
+        a.active_slots = list(range(s_b))
+        if s_b:
+            a.token_lora_idx[:] = np.arange(t_b) % s_b
+        return a
 
     def _zero_kv_caches(self) -> None:
         # Warm-up only wrote the null block, but leave the cache as a fresh start would.
-        for c in self.kv_caches:
-            c.zero_()
+        for layer_cache in self.kv_caches:
+            for c in layer_cache:
+                c.zero_()
         platform.sync()
 
 

@@ -1,0 +1,65 @@
+"""LoRA layers: wrap the model's linears (qkv packed, o, gate_up packed, down) from outside.
+
+Each wrapped layer owns preallocated stacked buffers, one pair per output slice:
+`lora_a[max_loras, max_rank, in]` and `lora_b[max_loras, out_slice, max_rank]`, zero
+padded to max_rank. Loading an adapter only writes data into a slot of these buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_tpu_lora.lora.punica import PunicaWrapper
+
+# Our module name (last component) -> the checkpoint modules packed into it.
+LORA_TARGETS = {
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "o_proj": ["o_proj"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+    "down_proj": ["down_proj"],
+}
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Module, punica: PunicaWrapper, max_loras: int,
+                 max_rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.punica = punica
+        self.output_slices = list(getattr(base, "output_sizes", [base.out_features]))
+        self.in_features = base.in_features
+        for i, size in enumerate(self.output_slices):
+            self.register_buffer(f"lora_a_{i}", torch.zeros(max_loras, max_rank, self.in_features,
+                                                            dtype=dtype), persistent=False)
+            self.register_buffer(f"lora_b_{i}", torch.zeros(max_loras, size, max_rank,
+                                                            dtype=dtype), persistent=False)
+
+    @property
+    def lora_a(self) -> list[torch.Tensor]:
+        return [getattr(self, f"lora_a_{i}") for i in range(len(self.output_slices))]
+
+    @property
+    def lora_b(self) -> list[torch.Tensor]:
+        return [getattr(self, f"lora_b_{i}") for i in range(len(self.output_slices))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        if not self.punica.active:  # slot bucket 0: the base-only graph
+            return y
+        return self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b, self.output_slices)
+
+
+def wrap_lora_layers(model: nn.Module, punica: PunicaWrapper, max_loras: int, max_rank: int,
+                     dtype: torch.dtype) -> dict[str, LoRALinear]:
+    """Replace every LoRA-capable linear of `model` in place; return them by module name."""
+    targets = [name for name, mod in model.named_modules()
+               if name.rsplit(".", 1)[-1] in LORA_TARGETS and hasattr(mod, "out_features")]
+    wrapped = {}
+    for name in targets:
+        parent_name, attr = name.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        layer = LoRALinear(getattr(parent, attr), punica, max_loras, max_rank, dtype)
+        setattr(parent, attr, layer)
+        wrapped[name] = layer
+    return wrapped
