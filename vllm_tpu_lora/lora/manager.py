@@ -33,7 +33,8 @@ class LoRAManager:
         self._slot_used_at = [0] * max_loras
         self._clock = 0
         self.pinned: set[int] = set()
-        self.num_slot_loads = 0
+        self.num_slot_loads = 0  # adapters written into a device slot
+        self.num_host_loads = 0  # adapters read from disk into the host cache
 
     # ---- host cache ----
 
@@ -42,8 +43,10 @@ class LoRAManager:
         if request.lora_int_id in self._cache:
             self._cache.move_to_end(request.lora_int_id)
             return False
+        # float32 on the host: the scale is folded into B before the cast to self.dtype.
         lora = load_peft_adapter(request, self.model, max_lora_rank=self.max_rank,
-                                 dtype=self.dtype)
+                                 dtype=torch.float32)
+        self.num_host_loads += 1
         self._make_room_in_cache()
         self._cache[request.lora_int_id] = lora
         self._requests[request.lora_int_id] = request

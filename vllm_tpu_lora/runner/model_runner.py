@@ -129,6 +129,20 @@ class ModelRunner:
         ids = sorted(slot_of)
         return {lid: pos for pos, lid in enumerate(ids)}, [slot_of[lid] for lid in ids]
 
+    def lora_kernel_shapes(self, dtype: str) -> list:
+        """Every LoRA kernel shape this runner's graphs contain (for the TPU lowering test)."""
+        from vllm_tpu_lora.ops.pallas_export import kernel_shapes
+
+        if self.lora_manager is None:
+            return []
+        layers = self.lora_manager.layers.values()
+        ins = sorted({layer.in_features for layer in layers})
+        outs = sorted({size for layer in layers for size in layer.output_slices})
+        rank = [self.lora_manager.max_rank]
+        t, s = self.token_ladder, self.slot_ladder
+        return ([k for k in kernel_shapes(t, s, ins, rank, [dtype]) if k.op == "shrink"]
+                + [k for k in kernel_shapes(t, s, outs, rank, [dtype]) if k.op == "expand"])
+
     def sampler_pairs(self) -> list[tuple[int, int]]:
         """(token bucket, request bucket) pairs a step can reach: R seqs need >= R tokens."""
         pairs = []
