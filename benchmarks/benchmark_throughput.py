@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Model + workload flags shared by the benchmarks (--small applied in apply_small)."""
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
@@ -36,13 +36,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="tiny sizes for a smoke run")
-    p.add_argument("--skip-hf", action="store_true")
-    args = p.parse_args()
+
+
+def apply_small(args: argparse.Namespace) -> argparse.Namespace:
     if args.small:
         args.num_requests, args.hidden, args.layers, args.heads, args.kv_heads = 8, 64, 2, 4, 2
         args.intermediate, args.vocab, args.prompt_len, args.output_len = 128, 512, [4, 32], [4, 16]
         args.max_num_seqs, args.max_num_batched_tokens, args.hf_batch_size = 8, 64, 4
     return args
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_model_args(p)
+    p.add_argument("--skip-hf", action="store_true")
+    return apply_small(p.parse_args())
 
 
 def make_model(args, out_dir: str) -> str:
