@@ -45,6 +45,26 @@ def sync() -> None:
     torch_xla.sync()
 
 
+_cache_initialized = False
+
+
+def enable_persistent_cache(path: str) -> bool:
+    """torch_xla's persistent compilation cache, where the runtime can use it.
+
+    Only on TPU: PJRT CPU cannot deserialize executables ("Deserializing serialized
+    executable not supported"), so on CPU every start compiles afresh. Must run before the
+    first XLA computation of the process; later calls are no-ops.
+    """
+    global _cache_initialized
+    if _cache_initialized or not is_tpu():
+        return _cache_initialized
+    import torch_xla.runtime as xr
+
+    xr.initialize_cache(path, readonly=False)
+    _cache_initialized = True
+    return True
+
+
 def compile_count() -> int:
     """Number of XLA graph compilations in this process so far."""
     data = xla_metrics.metric_data("CompileTime")

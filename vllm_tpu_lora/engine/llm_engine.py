@@ -10,7 +10,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from vllm_tpu_lora import platform
-from vllm_tpu_lora.config import EngineArgs, EngineConfig
+from vllm_tpu_lora.config import EngineArgs, EngineConfig, xla_cache_dir
 from vllm_tpu_lora.engine.block_manager import BlockManager, blocks_needed
 from vllm_tpu_lora.engine.detokenizer import IncrementalDetokenizer
 from vllm_tpu_lora.engine.output_processor import (
@@ -36,6 +36,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        platform.enable_persistent_cache(xla_cache_dir())
         self.max_model_len = mc.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer_path)
         self.eos_token_id = self.tokenizer.eos_token_id
