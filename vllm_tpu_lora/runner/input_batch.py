@@ -38,7 +38,7 @@ class StepArrays:
     seq_block_tables: np.ndarray  # [R, MB]
     cu_q_lens: np.ndarray  # [R + 1]
     num_seqs: np.ndarray  # [1]
-    logits_indices: np.ndarray
+    logits_indices: np.ndarray  # [max_num_seqs]: last token row of each sequence
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
@@ -63,7 +63,7 @@ def query_block_shape(t_bucket: int, max_num_seqs: int) -> tuple[int, int]:
     return -(-t_bucket // q) + min(max_num_seqs, t_bucket), q
 
 
-def _alloc(t: int, r: int, mb: int, nqb: int, q: int) -> dict[str, np.ndarray]:
+def _alloc(t: int, r: int, mb: int, nqb: int, q: int, max_seqs: int) -> dict[str, np.ndarray]:
     return dict(
         input_ids=np.zeros(t, np.int64), positions=np.zeros(t, np.int64),
         slot_mapping=np.zeros(t, np.int64) + NULL_BLOCK,
@@ -73,7 +73,7 @@ def _alloc(t: int, r: int, mb: int, nqb: int, q: int) -> dict[str, np.ndarray]:
         token_lora_idx=np.full(t, -1, np.int32),
         seq_kv_lens=np.zeros(r, np.int32), seq_block_tables=np.full((r, mb), NULL_BLOCK, np.int64),
         cu_q_lens=np.zeros(r + 1, np.int32), num_seqs=np.zeros(1, np.int32),
-        logits_indices=np.zeros(r, np.int64), temperature=np.zeros(r, np.float32),
+        logits_indices=np.zeros(max_seqs, np.int64), temperature=np.zeros(r, np.float32),
         top_k=np.zeros(r, np.int32), top_p=np.ones(r, np.float32), min_p=np.zeros(r, np.float32),
         seeds=np.zeros(r, np.int64), steps=np.zeros(r, np.int64),
         blocked_ids=np.full((r, MAX_BLOCKED_IDS), -1, np.int64),
@@ -107,7 +107,8 @@ def _query_blocks(a: dict, first_block: int, rows: range, pos: np.ndarray, seq_r
 def prepare_step(scheduled: list[ScheduledSeq], t_bucket: int, r_bucket: int,
                  max_blocks: int, block_size: int, lora_position_of: dict[int, int],
                  eos_id: int | None, max_num_seqs: int) -> StepArrays:
-    a = _alloc(t_bucket, r_bucket, max_blocks, *query_block_shape(t_bucket, max_num_seqs))
+    a = _alloc(t_bucket, r_bucket, max_blocks, *query_block_shape(t_bucket, max_num_seqs),
+               max_num_seqs)
     cursor, block = 0, 0
     for i, s in enumerate(scheduled):
         seq, n, start = s.seq, s.num_tokens, s.start

@@ -1,9 +1,10 @@
 """Runs one scheduled step on the XLA device with precompiled, fixed-shape graphs.
 
-Two graphs per step, as vLLM's TPU runner had: the model forward keyed by the token
-bucket (x LoRA-slot bucket), and logits + sampling keyed by (token bucket, request
-bucket), so graph counts add instead of multiply. Inputs are prepared on the host in
-numpy and moved once; the sampler's results come back in one packed transfer.
+Two graphs per step: the model forward keyed by (token bucket, LoRA-slot bucket), which
+ends by picking the last hidden row of up to max_num_seqs sequences, and logits +
+sampling keyed by the request bucket alone. Graph counts add instead of multiply.
+Inputs are prepared on the host in numpy and moved once; the sampler's results come
+back in one packed transfer.
 """
 
 from __future__ import annotations
@@ -75,17 +76,18 @@ class ModelRunner:
             seq_block_tables=t(a.seq_block_tables), cu_q_lens=t(a.cu_q_lens),
             num_seqs=t(a.num_seqs))
         hidden = self.model(t(a.input_ids), t(a.positions), self.kv_caches, meta)
+        last = hidden.index_select(0, t(a.logits_indices))  # [max_num_seqs, hidden]
         platform.sync()
-        return hidden
+        return last
 
-    def _sample(self, hidden: torch.Tensor, a: StepArrays) -> torch.Tensor:
+    def _sample(self, last_hidden: torch.Tensor, a: StepArrays) -> torch.Tensor:
         dev = self.device
         st = SamplingTensors(
             temperature=torch.from_numpy(a.temperature).to(dev),
             top_k=torch.from_numpy(a.top_k).to(dev), top_p=torch.from_numpy(a.top_p).to(dev),
             min_p=torch.from_numpy(a.min_p).to(dev), seeds=torch.from_numpy(a.seeds).to(dev),
             step=torch.from_numpy(a.steps).to(dev))
-        logits = self.model.compute_logits(hidden[torch.from_numpy(a.logits_indices).to(dev)])
+        logits = self.model.compute_logits(last_hidden[: len(a.temperature)])
         logits = _mask_blocked(logits.float(), torch.from_numpy(a.blocked_ids).to(dev))
         out = sample(logits, st)
         raw = torch.log_softmax(logits, dim=-1)
@@ -143,32 +145,23 @@ class ModelRunner:
         return ([k for k in kernel_shapes(t, s, ins, rank, [dtype]) if k.op == "shrink"]
                 + [k for k in kernel_shapes(t, s, outs, rank, [dtype]) if k.op == "expand"])
 
-    def sampler_pairs(self) -> list[tuple[int, int]]:
-        """(token bucket, request bucket) pairs a step can reach: R seqs need >= R tokens."""
-        pairs = []
-        for i, r in enumerate(self.request_ladder):
-            min_seqs = self.request_ladder[i - 1] + 1 if i else 1
-            pairs += [(t, r) for t in self.token_ladder if t >= min_seqs]
-        return pairs
-
     @torch.no_grad()
     def precompile(self) -> None:
         start = time.perf_counter()
         before = platform.compile_count()
-        pairs = self.sampler_pairs()
         n_fwd = len(self.token_ladder) * len(self.slot_ladder)
-        bar = tqdm(total=n_fwd + len(pairs), desc="Precompiling graphs", unit="graph")
+        bar = tqdm(total=n_fwd + len(self.request_ladder), desc="Precompiling graphs",
+                   unit="graph")
         if self.lora_manager is not None:  # also compiles the slot-write graph
             warm = self.lora_manager.warmup_adapter()
             for slot in range(self.lora_manager.max_loras):
                 self.lora_manager.write_slot(slot, warm)
-        hidden = {}
         for t_b in self.token_ladder:
             for s_b in self.slot_ladder:
-                hidden[t_b] = self._forward(self._dummy(t_b, self.request_ladder[0], s_b), s_b)
+                last = self._forward(self._dummy(t_b, self.request_ladder[0], s_b), s_b)
                 bar.update(1)
-        for t_b, r_b in pairs:
-            self._sample(hidden[t_b], self._dummy(t_b, r_b, 0)).cpu()
+        for r_b in self.request_ladder:
+            self._sample(last, self._dummy(self.token_ladder[0], r_b, 0)).cpu()
             bar.update(1)
         bar.close()
         if self.lora_manager is not None:
