@@ -38,6 +38,11 @@ def runtime_lora_updating_allowed() -> bool:
     return env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
 
+def api_key_from_env() -> str | None:
+    """VLLM_API_KEY: the server's API key when --api-key is not given (vLLM's variable)."""
+    return os.environ.get("VLLM_API_KEY") or None
+
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

@@ -24,6 +24,7 @@ from vllm_tpu_lora.engine.sequence import Sequence, SequenceStatus
 from vllm_tpu_lora.lora.request import LoRARequest
 from vllm_tpu_lora.models.loader import load_model, resolve_dtype
 from vllm_tpu_lora.outputs import RequestOutput
+from vllm_tpu_lora.parallel import TensorParallel
 from vllm_tpu_lora.runner.model_runner import ModelRunner
 from vllm_tpu_lora.sampling_params import SamplingParams
 
@@ -36,6 +37,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        # Before anything else: tensor parallelism must switch XLA to SPMD before any XLA tensor.
+        self.tp = TensorParallel.create(config.parallel_config.tensor_parallel_size,
+                                        mc.hf_config, config.lora_config)
         platform.enable_persistent_cache(xla_cache_dir())
         self.max_model_len = mc.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer_path)
@@ -55,7 +59,8 @@ class LLMEngine:
             model, num_layers=num_layers, kv_cache_shapes=model.kv_cache_shapes(num_blocks * cc.block_size),
             kv_dtype=dtype, block_size=cc.block_size, max_model_len=self.max_model_len,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-            eos_token_id=self.eos_token_id, lora_manager=self.lora_manager, punica=punica)
+            eos_token_id=self.eos_token_id, lora_manager=self.lora_manager, punica=punica,
+            tp=self.tp)
         self._rng = np.random.default_rng(mc.seed)
         self._requests: dict[str, RequestState] = {}
         self._counter = itertools.count()
@@ -69,7 +74,7 @@ class LLMEngine:
 
         lc = self.config.lora_config
         lora_dtype = dtype if lc.lora_dtype == "auto" else resolve_dtype(lc.lora_dtype)
-        punica = PunicaWrapper(lc.lora_backend)
+        punica = PunicaWrapper(self.tp.lora_backend(lc.lora_backend) if self.tp else lc.lora_backend)
         layers = wrap_lora_layers(model, punica, lc.max_loras, lc.max_lora_rank, lora_dtype)
         manager = LoRAManager(model, layers, max_loras=lc.max_loras,
                               max_lora_rank=lc.max_lora_rank, max_cpu_loras=lc.max_cpu_loras,
@@ -167,13 +172,20 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self._require_lora().add_lora(lora_request)
 
+    def lora_users(self, lora_id: int) -> int:
+        """Unfinished sequences that use adapter `lora_id`."""
+        return sum(s.lora_int_id == lora_id
+                   for s in self.scheduler.running + list(self.scheduler.waiting))
+
     def remove_lora(self, lora_id: int) -> bool:
-        users = [s for s in self.scheduler.running + list(self.scheduler.waiting)
-                 if s.lora_int_id == lora_id]
+        users = self.lora_users(lora_id)
         if users:
-            raise ValueError(f"LoRA {lora_id} is in use by {len(users)} unfinished sequence(s); "
+            raise ValueError(f"LoRA {lora_id} is in use by {users} unfinished sequence(s); "
                              "abort them or wait for them to finish before removing it")
         return self._require_lora().remove_lora(lora_id)
+
+    def running_request_ids(self) -> set[str]:
+        return {seq.request_id for seq in self.scheduler.running}
 
     def list_loras(self) -> set[int]:
         return self._require_lora().list_loras()
@@ -241,6 +253,7 @@ class LLMEngine:
             "warmup_seconds": self.runner.warmup_seconds,
             "compilations_after_warmup": self.runner.guard.compilations_after_warmup,
             "device": platform.device_type(),
+            "tensor_parallel_size": self.tp.size if self.tp else 1,
             "lora_slots_in_use": self.lora_manager.num_slots_in_use if self.lora_manager else 0,
             "lora_slot_loads": self.lora_manager.num_slot_loads if self.lora_manager else 0,
         }

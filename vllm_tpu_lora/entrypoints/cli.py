@@ -9,6 +9,7 @@ import sys
 import typing
 
 from vllm_tpu_lora.config import EngineArgs
+from vllm_tpu_lora.entrypoints.openai.cli_args import add_server_args
 
 _SKIP = {"model", "precompile"}
 
@@ -61,6 +62,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from vllm_tpu_lora.entrypoints.openai.api_server import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-tpu-lora")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per completion")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    add_server_args(serve, positional_model=True)
+    serve.set_defaults(func=_serve)
     return parser
 
 
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

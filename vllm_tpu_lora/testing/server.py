@@ -1,0 +1,102 @@
+"""Run the OpenAI server as a real subprocess on 127.0.0.1 (tests, benchmarks).
+
+Output goes to a log file, not a pipe (a full pipe would block the server); when start-up
+fails the log's tail is in the exception. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None,
+                 startup_timeout: float = 240.0, api_key: str | None = None,
+                 wait: bool = True) -> None:
+        """Launch the server; with wait=False call wait_healthy() later (so the caller can
+        do other start-up work, e.g. build an offline engine, while the server compiles)."""
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vtl-server-", suffix=".log",
+                                               delete=False)
+        cmd = [sys.executable, "-m", "vllm_tpu_lora.entrypoints.openai.api_server",
+               "--host", HOST, "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.startup_timeout = startup_timeout
+        if wait:
+            self.wait_healthy()
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def wait_healthy(self) -> None:
+        try:
+            self._wait_healthy(self.startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-n:]
+
+    def wait_exit(self, timeout: float) -> int:
+        """For a server expected to fail start-up: its exit code (the log has the why)."""
+        return self.proc.wait(timeout=timeout)
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if not self.log.closed:
+            self.log.close()
+            os.unlink(self.log.name)
+
+    def __enter__(self) -> RemoteServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
