@@ -14,7 +14,9 @@ from vllm_tpu_lora.layers.sampler import (  # noqa: E402
     MAX_LOGPROBS,
     SamplerOutput,
     SamplingTensors,
+    _kept_mask,
     gumbel_from_bits,
+    random_bits,
     sample,
 )
 
@@ -22,12 +24,15 @@ from vllm_tpu_lora.layers.sampler import (  # noqa: E402
 PROBS = np.array([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02])
 
 
-def reference_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
-    """vLLM V1 semantics in float64: temperature -> min_p -> top_k -> top_p -> renormalise."""
-    x = np.asarray(logits, dtype=np.float64)
+def reference_keep(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """vLLM V1 filters in float64 on the float32 temperature-scaled logits the sampler sees:
+    min_p -> top_k -> top_p. Ties: top_k keeps every token tied with the k-th value, and a
+    tie group straddling the top_p boundary is kept whole (a token stays iff the mass of the
+    strictly larger values is < top_p). The row maximum always stays."""
+    x32 = np.asarray(logits, dtype=np.float32)
     if temperature < 1e-5:
-        return np.eye(len(x))[np.argmax(x)]
-    x = x / temperature
+        return x32 == x32.max()
+    x = (x32 / np.float32(temperature)).astype(np.float64)
     p = np.exp(x - x.max())
     p /= p.sum()
     keep = p >= min_p * p.max()
@@ -36,14 +41,28 @@ def reference_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.
         keep &= x >= kth
     if top_p < 1.0:
         q = np.where(keep, p, 0.0) / np.where(keep, p, 0.0).sum()
-        mass_above, first = 0.0, True
-        for i in np.argsort(-x, kind="stable"):
-            if keep[i] and not first and mass_above >= top_p:
-                keep[i] = False
-            if keep[i]:
-                mass_above += q[i]
-                first = False
-    out = np.where(keep, p, 0.0)
+        order = np.argsort(-x, kind="stable")
+        mass_strictly_above = _mass_strictly_above(x[order], q[order])
+        keep[order] &= mass_strictly_above < top_p
+    return keep | (x == x.max())
+
+
+def _mass_strictly_above(x_desc, q_desc):
+    """For values sorted descending: the total of q over values strictly larger than each."""
+    inclusive = np.cumsum(q_desc)
+    first_of_group = np.r_[True, x_desc[1:] != x_desc[:-1]]
+    group_start = np.maximum.accumulate(np.where(first_of_group, np.arange(len(x_desc)), 0))
+    return np.where(group_start > 0, inclusive[group_start - 1], 0.0)
+
+
+def reference_distribution(logits, temperature=1.0, **filters):
+    """The renormalised distribution the sampler draws from (one-hot argmax when greedy)."""
+    x = np.asarray(logits, dtype=np.float64)
+    if temperature < 1e-5:
+        return np.eye(len(x))[np.argmax(x)]
+    x = np.asarray(logits, dtype=np.float32) / np.float32(temperature)
+    p = np.exp(x.astype(np.float64) - x.max())
+    out = np.where(reference_keep(logits, temperature, **filters), p, 0.0)
     return out / out.sum()
 
 
@@ -58,6 +77,13 @@ def test_reference_supports_by_hand():
     assert support(top_p=0.0) == {0}
     np.testing.assert_allclose(reference_distribution(logits, temperature=0.5),
                                PROBS**2 / (PROBS**2).sum())
+    # Ties: top_k keeps the whole group at the k-th value; top_p keeps a group whose
+    # strictly-larger mass is < top_p whole, and drops it whole otherwise.
+    tied = np.log([0.3, 0.2, 0.2, 0.2, 0.1])
+    assert set(np.flatnonzero(reference_keep(tied, top_k=2))) == {0, 1, 2, 3}
+    assert set(np.flatnonzero(reference_keep(tied, top_p=0.35))) == {0, 1, 2, 3}
+    assert set(np.flatnonzero(reference_keep(tied, top_p=0.29))) == {0}
+    assert set(np.flatnonzero(reference_keep(np.zeros(6), top_p=0.0))) == set(range(6))
 
 
 STAT_CASES = [
@@ -170,15 +196,21 @@ def test_logprobs_and_topk_match_torch():
     assert torch.all(out.topk_logprobs[:, :-1] >= out.topk_logprobs[:, 1:])
 
 
-def test_sortless_variant_matches_when_top_k_top_p_disabled():
+def test_rows_without_top_k_or_top_p_keep_what_min_p_leaves():
+    # With top_k and top_p off, a row draws argmax(scaled logits + Gumbel noise) over the
+    # tokens min_p keeps, computed here from the public noise functions.
     rows, vocab = 32, 700
     logits = _random_batch(rows, vocab, seed=8, scale=1.5)
     params = _mixed_params(rows, seed=9)
     params.update(top_k=np.zeros(rows), top_p=np.ones(rows))
     t = SamplingTensors.from_numpy(rows, **params)
-    full, sortless = sample(logits, t), sample(logits, t, top_k_top_p=False)
-    for name in ("sampled_token_ids", "sampled_logprobs", "topk_logprobs", "topk_token_ids"):
-        assert torch.equal(getattr(full, name), getattr(sortless, name)), name
+    temperature = np.where(params["temperature"] < 1e-5, 1.0, params["temperature"])
+    scaled = logits / torch.tensor(temperature, dtype=torch.float32)[:, None]
+    keep = torch.exp(scaled - scaled.amax(-1, keepdim=True)) >= t.min_p[:, None]
+    noise = gumbel_from_bits(random_bits(t.seeds, t.step, vocab))
+    expected = torch.argmax(scaled.masked_fill(~keep, float("-inf")) + noise, dim=-1)
+    expected = torch.where(t.temperature < 1e-5, torch.argmax(logits, dim=-1), expected)
+    assert torch.equal(sample(logits, t).sampled_token_ids.long(), expected)
 
 
 def test_small_vocab_clips_logprob_count():
@@ -222,6 +254,160 @@ def test_extreme_random_bits_give_finite_gumbel_noise():
     bits = torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64)
     noise = gumbel_from_bits(bits)
     assert torch.isfinite(noise).all() and torch.all(noise[1:] >= noise[:-1])
+
+
+ADV_VOCAB = 8192
+# Tolerances of the float32 sampler against the float64 reference, used only to sandwich
+# the kept set of a token that sits within them of a min_p / top_p boundary: top_p masses
+# (float32 softmax rounding ~1e-7, plus fixed-point sums off by ~sqrt(n) * 2**-31 ~ 3e-8
+# here, n * 2**-31 <= 4e-6 at worst) and min_p's exp(s - s_max) (relative, ~|s - s_max| * 6e-8).
+MASS_TOL, MIN_P_RTOL = 1e-6, 1e-6
+
+
+def _dyadic_row(rng, probs):
+    """Power-of-two probabilities, exact in float32 softmax on CPU and XLA, at random ids;
+    every other token is -inf. Returns (logits, ids of probs in order)."""
+    x = np.full(ADV_VOCAB, -np.inf, dtype=np.float32)
+    ids = rng.choice(ADV_VOCAB, size=len(probs), replace=False)
+    x[ids] = np.log(probs)
+    return x, ids
+
+
+def _adversarial_cases():
+    """[(logits[V], params, expected kept ids or None, is a random row)]."""
+    rng = np.random.default_rng(11)
+    cases = []
+
+    def add(x, expected=None, random_row=False, **params):
+        cases.append((np.asarray(x, dtype=np.float32), params, expected, random_row))
+
+    # Ties at the k-th value: 9 distinct values, so every k lands inside a tie group.
+    for k, temperature in [(1, 1.0), (2, 0.7), (3, 1.0), (100, 1.3), (4095, 1.0), (8191, 0.5)]:
+        add(rng.integers(-4, 5, ADV_VOCAB), top_k=k, temperature=temperature)
+    for top_p, min_p in [(0.5, 0.0), (0.9, 0.1), (0.999, 0.0)]:
+        add(rng.integers(-4, 5, ADV_VOCAB), top_k=2000, top_p=top_p, min_p=min_p)
+    x = np.zeros(ADV_VOCAB)
+    x[:5], x[5:12] = 3.0, 2.0  # k = 6..12 all land on the 7-way tie at 2.0
+    for k in (5, 6, 9, 12, 13):
+        add(x, top_k=k, expected=set(range(5)) if k == 5 else set(range(12)) if k <= 12 else None)
+
+    # top_p / min_p boundaries hit exactly (all masses dyadic, so exact in float32).
+    above_half = float(np.nextafter(np.float32(0.5), np.float32(1)))
+    for probs, params, kept in [
+        ([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 16], dict(top_p=0.5), 1),
+        ([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 16], dict(top_p=above_half), 2),
+        ([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 16], dict(top_p=0.75), 2),
+        ([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 16], dict(top_p=0.875), 3),  # the tied pair's edge
+        ([1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 16], dict(top_p=0.9375), 5),
+        ([1 / 4, 1 / 4, 1 / 4, 1 / 8, 1 / 8], dict(top_p=0.25), 3),  # tied top group kept whole
+        ([1 / 4, 1 / 4, 1 / 4, 1 / 8, 1 / 8], dict(top_p=0.75), 3),
+        ([1 / 4, 1 / 4, 1 / 4, 1 / 8, 1 / 8], dict(top_p=0.0), 3),
+        ([1 / 2, 1 / 8, 1 / 8, 1 / 8, 1 / 8], dict(top_k=2), 5),  # tie at the k-th value
+        ([1 / 2, 1 / 8, 1 / 8, 1 / 8, 1 / 8], dict(top_k=2, top_p=0.5), 1),
+        ([1 / 2, 1 / 8, 1 / 8, 1 / 8, 1 / 8], dict(min_p=0.25), 5),  # p / p_max == min_p
+        ([1 / 2, 1 / 8, 1 / 8, 1 / 8, 1 / 8],
+         dict(min_p=float(np.nextafter(np.float32(0.25), np.float32(1)))), 1),
+        ([1 / 2, 1 / 8, 1 / 8, 1 / 8, 1 / 8], dict(min_p=0.25, top_p=above_half), 5),
+    ]:
+        x, ids = _dyadic_row(rng, probs)
+        add(x, expected=set(ids[:kept].tolist()), **params)
+
+    # Very peaked: one token holds all the float32 mass, or nearly all of it.
+    for temperature, top_k, top_p, min_p in [(1.0, 0, 0.9, 0.0), (1.0, 5, 0.5, 0.1),
+                                             (0.01, 50, 0.999999, 0.0), (0.01, 0, 1.0, 0.5),
+                                             (1.0, 0, 0.999999, 0.0), (3.0, 0, 0.999999, 0.0)]:
+        x = rng.standard_normal(ADV_VOCAB) * 3
+        x[rng.integers(ADV_VOCAB)] = 60.0
+        add(x, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    x = rng.standard_normal(ADV_VOCAB)
+    x[[10, 20]] = [30.0, 30.0 - 15.0]  # the runner-up holds ~3e-7 of the mass
+    add(x, top_p=0.9999995)
+    add(x, top_p=0.9999990)
+
+    # Very flat: everything tied, or within 1e-4 of it.
+    for params in [dict(top_k=1), dict(top_p=0.5), dict(top_p=0.0), dict(min_p=0.9),
+                   dict(top_k=7, top_p=0.3)]:
+        add(np.zeros(ADV_VOCAB), expected=set(range(ADV_VOCAB)), **params)
+    for top_k, top_p in [(0, 0.5), (0, 0.9), (10, 1.0), (4096, 0.3), (0, 0.999)]:
+        add(rng.standard_normal(ADV_VOCAB) * 1e-4, top_k=top_k, top_p=top_p)
+
+    # -inf (blocked) tokens, with top_k beyond the finite ones.
+    x = rng.standard_normal(ADV_VOCAB) * 2
+    x[rng.choice(ADV_VOCAB, 8000, replace=False)] = -np.inf
+    for top_k, top_p in [(1000, 1.0), (1000, 0.9), (50, 0.5)]:
+        add(x, top_k=top_k, top_p=top_p)
+
+    # Random rows with every kind of setting.
+    for _ in range(48):
+        add(rng.standard_normal(ADV_VOCAB) * rng.choice([1.0, 3.0, 8.0]),
+            temperature=rng.choice([0.3, 0.7, 1.0, 1.5]),
+            top_k=rng.choice([0, -1, 1, 20, 1000, 8191, 8192]),
+            top_p=rng.choice([1.0, 0.99, 0.95, 0.9, 0.5, 0.1, 0.0]),
+            min_p=rng.choice([0.0, 0.01, 0.2]), random_row=True)
+    return cases
+
+
+@pytest.mark.parametrize("backend", ["eager", "xla"])
+def test_filters_exact_on_adversarial_rows(backend):
+    cases = _adversarial_cases()
+    rows = len(cases)
+    names = ("temperature", "top_k", "top_p", "min_p")
+    defaults = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    params = {n: [c[1].get(n, defaults[n]) for c in cases] for n in names}
+    logits = torch.tensor(np.stack([c[0] for c in cases]))
+    device = None
+    if backend == "xla":
+        torch_xla = pytest.importorskip("torch_xla")
+        device = torch_xla.device()
+    t = SamplingTensors.from_numpy(rows, device, **params)
+    kept = _kept_mask(logits.to(device) / t.temperature[:, None], t)
+    if device is not None:
+        torch_xla.sync()
+    kept = kept.cpu().numpy()
+
+    undecided_random_rows = 0
+    for row, (x, p, expected, random_row) in enumerate(cases):
+        got = kept[row]
+        if expected is not None:
+            assert set(np.flatnonzero(got).tolist()) == expected, (row, p)
+        # The sampler sees float32 parameters; top_p >= 1 (off) is exact, so not perturbed.
+        p = {n: v if n == "top_k" else float(np.float32(v)) for n, v in (defaults | p).items()}
+        top_p_lo, top_p_hi = (p["top_p"], p["top_p"]) if p["top_p"] >= 1 else (
+            p["top_p"] - MASS_TOL, p["top_p"] + MASS_TOL)
+        if expected is not None and len(expected) < 100:
+            continue  # a boundary hit exactly: only the exact expectation applies
+        # Sandwich: equal to the reference wherever no token is within the tolerance of a
+        # min_p / top_p boundary; for a token within it, either side is right.
+        strict = reference_keep(x, p["temperature"], p["top_k"], top_p_lo,
+                                p["min_p"] * (1 + MIN_P_RTOL))
+        loose = reference_keep(x, p["temperature"], p["top_k"], top_p_hi,
+                               p["min_p"] * (1 - MIN_P_RTOL))
+        assert np.all(strict <= got) and np.all(got <= loose), (
+            row, p, np.flatnonzero(strict & ~got)[:10], np.flatnonzero(got & ~loose)[:10])
+        undecided_random_rows += random_row and not np.array_equal(strict, loose)
+    # The tolerance must not hollow the test out: random rows are decided exactly.
+    assert undecided_random_rows == 0, undecided_random_rows
+
+
+@pytest.mark.parametrize("backend", ["eager", "xla"])
+def test_top_logprobs_order_ties_by_lowest_id(backend):
+    # bf16-like logits: few distinct values, so ties sit inside the top K and across its
+    # edge. Expected: a stable descending sort, i.e. value desc, then id asc.
+    rng = np.random.default_rng(12)
+    logits = torch.tensor(rng.integers(0, 6, (6, 4096)) * 0.125, dtype=torch.float32)
+    logits[1, :] = 0.0  # all tied
+    logits[2, [4000, 7, 3000]] = 5.0  # a tie above the boundary, listed out of id order
+    t = SamplingTensors.from_numpy(6)
+    if backend == "xla":
+        torch_xla = pytest.importorskip("torch_xla")
+        out = _sample_on_xla(torch_xla, logits, SamplingTensors.from_numpy(6, torch_xla.device()))
+    else:
+        out = sample(logits, t)
+    raw = torch.log_softmax(logits, dim=-1).numpy()
+    expected = np.argsort(-raw, axis=-1, kind="stable")[:, :MAX_LOGPROBS]
+    np.testing.assert_array_equal(out.topk_token_ids.numpy(), expected)
+    np.testing.assert_allclose(out.topk_logprobs.numpy(),
+                               np.take_along_axis(raw, expected, axis=-1), atol=1e-5, rtol=0)
 
 
 def test_padding_rows_cannot_disturb_real_rows():
@@ -282,12 +468,12 @@ def test_xla_one_graph_for_all_param_values_and_matches_eager():
     np.testing.assert_allclose(out.sampled_logprobs, eager.sampled_logprobs, atol=1e-5, rtol=0)
     np.testing.assert_allclose(out.topk_logprobs, eager.topk_logprobs, atol=1e-5, rtol=0)
 
-    # The sort-free variant is one more graph, again shared by all parameter values.
+    # Still that one graph for other parameter values, filters switched off included.
     mixed.update(top_k=np.zeros(rows), top_p=np.ones(rows))
     for seed_offset in (0, 1000):
         mixed["seeds"] = mixed["seeds"] + seed_offset
         t = SamplingTensors.from_numpy(rows, device, **mixed)
-        out = _sample_on_xla(torch_xla, logits, t, top_k_top_p=False)
-    assert _num_compiles() == compiles + 1
-    eager = sample(logits, SamplingTensors.from_numpy(rows, **mixed), top_k_top_p=False)
+        out = _sample_on_xla(torch_xla, logits, t)
+    assert _num_compiles() == compiles
+    eager = sample(logits, SamplingTensors.from_numpy(rows, **mixed))
     assert torch.equal(out.sampled_token_ids, eager.sampled_token_ids)

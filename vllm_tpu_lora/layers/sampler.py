@@ -89,72 +89,176 @@ class SamplerOutput:
     topk_token_ids: torch.Tensor  # int32 [R, K]
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors, max_logprobs: int = MAX_LOGPROBS, *,
-           top_k_top_p: bool = True) -> SamplerOutput:
+def sample(logits: torch.Tensor, t: SamplingTensors,
+           max_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
     """Sample one token per row of logits[R, V] (see the module docstring).
 
-    `max_logprobs` and `top_k_top_p` are static: each value is its own graph. With
-    top_k_top_p=False the [R, V] sort, by far the sampler's largest cost, is skipped and
-    t.top_k / t.top_p are IGNORED; choose it only for batches where every row disables both.
+    `max_logprobs` is static (each value is its own graph); everything else is data. Nothing
+    sorts the [R, V] row: the top logprobs come from `topk`, the filters from per-row
+    thresholds found by fixed-length bisection (see `_kept_mask`).
     """
     logits = logits.float()
-    num_logprobs = min(max_logprobs, logits.shape[-1])
     raw_logprobs = torch.log_softmax(logits, dim=-1)
+    topk_logprobs, topk_ids = _top_logprobs(raw_logprobs, min(max_logprobs, logits.shape[-1]))
     is_greedy = t.temperature < _SAMPLING_EPS
     temperature = torch.where(is_greedy, torch.ones_like(t.temperature), t.temperature)
     scaled = logits / temperature[:, None]
-    if top_k_top_p:
-        # One descending sort serves the filters and the top logprobs (dividing by a
-        # positive temperature keeps the order), so no separate topk pass is needed.
-        sorted_logits, sorted_ids = torch.sort(logits, dim=-1, descending=True)
-        topk_ids = sorted_ids[:, :num_logprobs]
-        cutoff = _filter_cutoff(sorted_logits / temperature[:, None], t)
-        drop = scaled < cutoff[:, None]
-    else:
-        topk_ids = torch.topk(logits, num_logprobs, dim=-1).indices
-        drop = ~_min_p_keep(scaled, scaled.amax(dim=-1, keepdim=True), t.min_p)
+    keep = _kept_mask(scaled, t)
     gumbel = _gumbel_noise(t.seeds, t.step, logits.shape[-1])
-    random_ids = torch.argmax(scaled.masked_fill(drop, float("-inf")) + gumbel, dim=-1)
+    random_ids = torch.argmax(scaled.masked_fill(~keep, float("-inf")) + gumbel, dim=-1)
     token_ids = torch.where(is_greedy, torch.argmax(logits, dim=-1), random_ids)
     return SamplerOutput(
         sampled_token_ids=token_ids.to(torch.int32),
         sampled_logprobs=raw_logprobs.gather(-1, token_ids[:, None])[:, 0],
-        topk_logprobs=raw_logprobs.gather(-1, topk_ids),
+        topk_logprobs=topk_logprobs,
         topk_token_ids=topk_ids.to(torch.int32),
     )
 
 
+_NEG_TOKEN_IDS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _neg_token_ids(vocab: int, device: torch.device) -> torch.Tensor:
+    """-arange(vocab) as float32, uploaded once per (vocab, device) and then passed to every
+    graph as device data: built in-graph, the iota broadcast over [R, V] cost XLA CPU ~8 ms
+    per call at R=32, V=32000 (measured), as a graph input it costs nothing."""
+    key = (vocab, device)
+    if key not in _NEG_TOKEN_IDS:
+        _NEG_TOKEN_IDS[key] = (-torch.arange(vocab, dtype=torch.float32)).to(device)
+    return _NEG_TOKEN_IDS[key]
+
+
+def _top_logprobs(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row, descending, lowest id first among equal values.
+
+    `topk`'s order among equal values is backend-defined (XLA CPU's is not stable), and
+    equal logprobs are common with bf16 logits, so ties are put in a fixed order: ids tied
+    with the k-th value come from a second topk over -id, the ones above it are reordered
+    within [R, k]. The values themselves are those of `topk`, whatever its tie order.
+    """
+    vals, ids = torch.topk(raw, k, dim=-1)
+    # torch_xla lowers topk to sort + slice, which XLA turns into a real TopK only while
+    # every user of the sort is a slice from 0: vals[:, -1:] would fold into a slice from
+    # k - 1 and leave a full [R, V] sort in the graph, so take the k-th value as a min.
+    kth = vals.amin(dim=-1, keepdim=True)
+    above = vals > kth  # a prefix of each row, shorter than k
+    n_above = above.to(torch.int32).sum(-1, keepdim=True)
+    # -id is exact in float32 for V <= 2**24, and distinct, so this topk has no ties.
+    tie_score = torch.where(raw == kth, _neg_token_ids(raw.shape[-1], raw.device), float("-inf"))
+    tie_ids = torch.topk(tie_score, k, dim=-1).indices  # lowest ids tied with kth, ascending
+    # Rank of each entry above kth among them by (value desc, id asc), then invert the rank.
+    v_i, v_j, id_i, id_j = vals[:, :, None], vals[:, None, :], ids[:, :, None], ids[:, None, :]
+    rank = ((v_j > v_i) | ((v_j == v_i) & (id_j < id_i))).to(torch.int32).sum(-1)
+    slot = torch.arange(k, device=raw.device, dtype=torch.int32)
+    at_slot = (rank[:, None, :] == slot[None, :, None]) & above[:, None, :]  # [R, slot, entry]
+    ids_above = (at_slot.to(ids.dtype) * ids[:, None, :]).sum(-1)
+    ids_tied = tie_ids.gather(-1, (slot[None, :] - n_above).clamp(min=0).to(torch.int64))
+    return vals, torch.where(slot[None, :] < n_above, ids_above, ids_tied)
+
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+# One bisection step per bit of an int32 key: 32 steps end on a single key.
+_BISECT_STEPS = 32
+# top_p masses are summed as integers in units of 2**-30 (see `_kept_mask`).
+_MASS_SCALE = 2.0**30
+
+
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys with the order of float32 values: key(a) < key(b) <=> a < b, and
+    key(a) == key(b) <=> a == b (so -0.0 and +0.0 share key 0), for non-NaN a, b.
+
+    Non-negative floats order like their bit patterns; a negative float is its magnitude's
+    bit pattern negated (INT32_MIN - bits, which cannot overflow for bits < 0). Keys of
+    real values never reach INT32_MIN or INT32_MAX (those are NaN bit patterns).
+    """
+    bits = _bitcast_to_int32(x)
+    return torch.where(bits < 0, _INT32_MIN - bits, bits)
+
+
+_XLA_BITCAST = None
+
+
+def _bitcast_to_int32(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int32 bit pattern. torch_xla 2.9 runs `Tensor.view(torch.int32)` as a CPU
+    fallback (a graph break and two host transfers), so on XLA this is a registered
+    BitcastConvert that stays inside the traced graph."""
+    if x.device.type != "xla":
+        return x.view(torch.int32)
+    global _XLA_BITCAST
+    if _XLA_BITCAST is None:
+        import torch_xla.core.xla_builder as xb
+        import torch_xla.core.xla_op_registry as xor
+
+        _XLA_BITCAST = xor.register("sampler_bitcast_f32_s32", lambda v: v.bitcast(xb.Type.S32))
+    return _XLA_BITCAST(x)
+
+
 def _min_p_keep(scaled: torch.Tensor, row_max: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     # p_i >= min_p * p_max  <=>  exp(s_i - s_max) >= min_p: no softmax needed, and min_p = 0
-    # keeps everything. Both sample() paths use this same expression so they agree exactly.
+    # keeps everything.
     return torch.exp(scaled - row_max) >= min_p[:, None]
 
 
-def _filter_cutoff(sorted_scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Smallest temperature-scaled logit each row keeps after min_p, top_k and top_p.
+def _kept_mask(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """[R, V] mask of the tokens each row keeps after min_p, top_k and top_p, in that order.
 
-    Each filter keeps a prefix of the descending order, so their composition is a prefix
-    too and one value per row describes it; comparing against that value in vocab order
-    avoids scattering a [R, V] mask back through the sort permutation.
+    Each filter keeps every token whose temperature-scaled logit is at least a per-row
+    threshold. The thresholds are found without sorting, by bisection over the int32 order
+    keys of the float32 values: `_BISECT_STEPS` unrolled compare-and-reduce passes per filter,
+    a static graph whose search always ends on a single key, so no precision is lost there.
+
+      - min_p: elementwise, the float32 test exp(s_i - s_max) >= min_p.
+      - top_k: the threshold is the largest key t with #{key >= t} >= k, i.e. exactly the
+        k-th largest value (counts are exact integers); like vLLM, every token tied with the
+        k-th value is kept. k <= 0 or k >= V disables it.
+      - top_p: on the distribution q renormalised over the tokens min_p and top_k kept, a
+        token is kept iff the mass of the tokens with a strictly larger value is < top_p
+        (the smallest descending prefix that reaches top_p; a tie group that straddles the
+        boundary is kept whole, as the sort-based version did). The threshold is the smallest
+        key t with mass(key > t) < top_p. Masses are summed in fixed point, Q_i =
+        round(q_i * 2**30) as int32: every sum is exact in any reduction order (the same on
+        every backend for the same q, and monotone in t as the bisection needs), stays far
+        below 2**31 (sum Q is 2**30 plus rounding), and is compared exactly with
+        ceil(top_p * 2**30) (scaling by 2**30 is exact in float32). The only error against
+        the float32 q is that rounding, |sum Q * 2**-30 - sum q| <= n * 2**-31 over the n
+        tokens summed: <= 1.5e-5 at V = 32000 in the worst case, ~sqrt(n) * 2**-31 (~1e-7)
+        typically, on par with the float32 softmax's own rounding, and better than the float32
+        cumsum it replaces (worst case ~V * 2**-24). Dyadic masses down to 2**-30 are exact,
+        so a boundary hit exactly is decided exactly. top_p >= 1 disables it.
+      - the row's maximum always survives (e.g. top_p = 0 or min_p > 1).
     """
-    vocab = sorted_scaled.shape[-1]
-    positions = torch.arange(vocab, device=sorted_scaled.device)
-    keep = _min_p_keep(sorted_scaled, sorted_scaled[:, :1], t.min_p)
-    # top_k: like vLLM, keep every token tied with the k-th largest value.
-    k = t.top_k.to(torch.int64)
+    keys = _order_keys(scaled)
+    row_max = scaled.amax(dim=-1, keepdim=True)
+    vocab = scaled.shape[-1]
+    keep = _min_p_keep(scaled, row_max, t.min_p)
+
+    # top_k: lo is the largest key known to satisfy #{key >= lo} >= k. Step i tries
+    # lo + 2**(31 - i), so 32 steps decide every bit of the 2**32-key range (int32 only:
+    # the first probe, INT32_MIN + 2**31, is 0, and no later sum overflows).
+    k = t.top_k.to(torch.int32)
     k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
-    kth_value = sorted_scaled.gather(-1, (k - 1)[:, None])
-    keep = keep & (sorted_scaled >= kth_value)
-    # top_p on the distribution left by min_p and top_k: keep a token while the mass
-    # strictly above it is < top_p (the smallest prefix reaching top_p). top_p >= 1 is
-    # exempted explicitly because a float32 cumsum can reach 1.0 before the tail ends.
-    probs = torch.softmax(sorted_scaled.masked_fill(~keep, float("-inf")), dim=-1)
-    mass_above = torch.cumsum(probs, dim=-1) - probs
-    top_p = t.top_p[:, None]
-    keep = keep & ((mass_above < top_p) | (top_p >= 1.0))
-    keep = keep | (positions == 0)  # the top token always survives (e.g. top_p = 0)
-    num_kept = keep.to(torch.int64).sum(dim=-1)
-    return sorted_scaled.gather(-1, (num_kept - 1)[:, None])[:, 0]
+    lo = torch.full_like(k, _INT32_MIN)
+    for i in range(_BISECT_STEPS):
+        mid = torch.zeros_like(lo) if i == 0 else lo + 2 ** (31 - i)
+        count = (keys >= mid[:, None]).to(torch.int32).sum(-1, dtype=torch.int32)
+        lo = torch.where(count >= k, mid, lo)
+    keep = keep & (keys >= lo[:, None])
+
+    # top_p: hi is the smallest key known to satisfy mass(key > hi) < top_p (INT32_MAX is
+    # above every real key: if nothing passes, only the row max is kept). Step i tries
+    # hi - 2**(31 - i), the first probe being INT32_MAX - 2**31 = -1.
+    probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    quanta = torch.round(probs * _MASS_SCALE).to(torch.int32)
+    top_p = t.top_p.float()
+    # For an integer mass, mass < x <=> mass < ceil(x).
+    budget = torch.ceil(top_p.clamp(0.0, 1.0) * _MASS_SCALE).to(torch.int32)
+    hi = torch.full_like(k, _INT32_MAX)
+    for i in range(_BISECT_STEPS):
+        mid = torch.full_like(hi, -1) if i == 0 else hi - 2 ** (31 - i)
+        mass_above = torch.where(keys > mid[:, None], quanta, 0).sum(-1, dtype=torch.int32)
+        hi = torch.where(mass_above < budget, mid, hi)
+    keep = keep & ((keys >= hi[:, None]) | (top_p >= 1.0)[:, None])
+    return keep | (scaled == row_max)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
