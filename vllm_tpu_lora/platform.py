@@ -65,6 +65,32 @@ def enable_persistent_cache(path: str) -> bool:
     return True
 
 
+def enable_spmd(num_devices: int) -> int:
+    """Run every later XLA computation of this process as one SPMD program over all devices
+    (torch_xla's `use_spmd`); return the device count. For tensor parallelism.
+
+    Must run before any XLA tensor is created: tensors made earlier on the plain device
+    get replicated to every device. On CPU without CPU_NUM_DEVICES, and before the XLA
+    runtime starts, the process gets `num_devices` virtual CPU devices.
+    """
+    import torch_xla.runtime as xr
+
+    if (device_type() == "CPU" and "CPU_NUM_DEVICES" not in os.environ
+            and not torch_xla._XLAC._xla_runtime_is_initialized()):
+        os.environ["CPU_NUM_DEVICES"] = str(num_devices)
+    count = xr.global_runtime_device_count()
+    if num_devices > count:
+        hint = " (set CPU_NUM_DEVICES before the process starts XLA)" if device_type() == "CPU" else ""
+        raise ValueError(f"tensor_parallel_size ({num_devices}) is larger than the number of "
+                         f"{device_type()} devices ({count}){hint}.")
+    if count % num_devices:
+        raise ValueError(f"The number of {device_type()} devices ({count}) must be a multiple of "
+                         f"tensor_parallel_size ({num_devices}).")
+    if not xr.is_spmd():
+        xr.use_spmd()
+    return count
+
+
 def compile_count() -> int:
     """Number of XLA graph compilations in this process so far."""
     data = xla_metrics.metric_data("CompileTime")

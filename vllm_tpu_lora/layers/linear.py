@@ -49,6 +49,19 @@ class TransposedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def split_packed(layer: nn.Module, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The output slices of a packed linear: `layer(x).split(sizes, dim=-1)`.
+
+    A layer with `slices_natively` (the tensor-parallel packed layer, parallel/packed.py,
+    or a LoRA layer around one) returns its slices itself: there the packed output is
+    never one tensor, because splitting a concatenation along a sharded dimension would
+    move data between devices.
+    """
+    if getattr(layer, "slices_natively", False):
+        return layer.forward_slices(x)
+    return list(layer(x).split(sizes, dim=-1))
+
+
 def pretranspose_linears(model: nn.Module) -> None:
     """Replace every nn.Linear in `model` by a TransposedLinear, in place."""
     for name, module in list(model.named_modules()):

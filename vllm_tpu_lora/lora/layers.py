@@ -49,6 +49,22 @@ class LoRALinear(nn.Module):
             return y
         return self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b, self.output_slices)
 
+    @property
+    def slices_natively(self) -> bool:
+        """True around a tensor-parallel packed layer (see layers.linear.split_packed)."""
+        return getattr(self.base_layer, "slices_natively", False)
+
+    def forward_slices(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The base layer's output slices, each plus its own LoRA delta. Under tensor
+        parallelism every slice is sharded like its lora_b, so the expand stays local,
+        and lora_a may be rank-sharded (fully_sharded_loras): the shrink keeps that axis."""
+        ys = self.base_layer.forward_slices(x)
+        if not self.punica.active:
+            return ys
+        return [self.punica.add_expand(y, self.punica.add_shrink(x, a, keep_rank_axis=True), b,
+                                       0, y.shape[-1])
+                for y, a, b in zip(ys, self.lora_a, self.lora_b)]
+
 
 def wrap_lora_layers(model: nn.Module, punica: PunicaWrapper, max_loras: int, max_rank: int,
                      dtype: torch.dtype) -> dict[str, LoRALinear]:

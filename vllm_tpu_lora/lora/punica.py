@@ -43,12 +43,15 @@ class PunicaWrapper:
             self._ones = torch.ones(self.num_active_slots, dtype=dtype, device=idx.device)
         return self._layout
 
-    def add_shrink(self, x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
+    def add_shrink(self, x: torch.Tensor, lora_a: torch.Tensor,
+                   keep_rank_axis: bool = False) -> torch.Tensor:
         """Semantics: ys = x @ lora_a[slot(t)].T for the active slots, in segment layout.
-        Shapes: x [T, D], lora_a [max_loras, R, D] -> [T_pad, R]."""
+        Shapes: x [T, D], lora_a [max_loras, R, D] -> [T_pad, R]. keep_rank_axis: for a
+        rank-sharded lora_a (see ops.bgmv_xla.onehot_shrink)."""
         layout = self._get_layout(x.dtype)
         a = lora_a.index_select(0, self.active_slots)
-        return ops.segment_shrink(x, a, layout, self._ones, backend=self.backend)
+        return ops.segment_shrink(x, a, layout, self._ones, backend=self.backend,
+                                  keep_rank_axis=keep_rank_axis)
 
     def add_expand(self, y: torch.Tensor, ys: torch.Tensor, lora_b: torch.Tensor,
                    offset: int, size: int) -> torch.Tensor:

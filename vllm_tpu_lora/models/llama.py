@@ -15,7 +15,7 @@ from vllm_tpu_lora.layers.attention import (
     kv_cache_shapes,
     write_kv,
 )
-from vllm_tpu_lora.layers.linear import MergedLinear
+from vllm_tpu_lora.layers.linear import MergedLinear, split_packed
 from vllm_tpu_lora.layers.norm import RMSNorm
 from vllm_tpu_lora.layers.rotary import RotaryEmbedding, rope_params
 
@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata):
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = split_packed(self.qkv_proj, hidden, [self.q_size, self.kv_size, self.kv_size])
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
@@ -61,7 +61,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        inter = self.intermediate_size
+        gate, up = split_packed(self.gate_up_proj, x, [inter, inter])
         return self.down_proj(F.silu(gate) * up)
 
 

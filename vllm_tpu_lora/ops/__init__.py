@@ -84,15 +84,17 @@ def segment_shrink(
     scale: torch.Tensor,
     *,
     backend: str = "auto",
+    keep_rank_axis: bool = False,
 ) -> torch.Tensor:
     """Semantics: ys[r] = scale[s] * x[perm[r]] @ lora_a[s].T, s = slot of row r's block.
 
     Shapes: x [T, D], lora_a [N, R, D], scale [N] -> ys [T_pad, R] (segment layout,
-    padding rows zero).
+    padding rows zero). keep_rank_axis: see bgmv_xla.onehot_shrink (the other paths
+    never merge N and R).
     """
     if _use_onehot(backend):
         # The layout still carries idx, so the one-hot path keeps the same contract.
-        y = bgmv_xla.onehot_shrink(x, lora_a, layout.idx, scale)
+        y = bgmv_xla.onehot_shrink(x, lora_a, layout.idx, scale, keep_rank_axis=keep_rank_axis)
         return bgmv_xla.to_segment_order(y, layout)
     return _impl(backend).segment_shrink(x, lora_a, layout, scale)
 

@@ -39,16 +39,20 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_layers: int, kv_cache_shapes: list[tuple],
                  kv_dtype: torch.dtype, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, eos_token_id: int | None,
-                 lora_manager=None, punica=None) -> None:
+                 lora_manager=None, punica=None, tp=None) -> None:
         self.device = platform.xla_device()
         model.untie_lm_head()
         pretranspose_linears(model)
+        if tp is not None:  # tensor parallel: packed columns into per-device blocks (host)
+            tp.prepare(model)
         self.model = model.to(self.device)
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.eos_token_id = eos_token_id
         self.kv_caches = [tuple(torch.zeros(shape, dtype=kv_dtype, device=self.device)
                                 for shape in kv_cache_shapes) for _ in range(num_layers)]
+        if tp is not None:  # before the first sync, so each device only gets its shards
+            tp.shard(self.model, self.kv_caches, lora_manager.layers if lora_manager else None)
         self.token_ladder = buckets.token_buckets(max_num_batched_tokens)
         self.request_ladder = buckets.request_buckets(max_num_seqs)
         self.max_num_seqs = max_num_seqs
