@@ -9,6 +9,7 @@ import sys
 import typing
 
 from vllm_tpu_lora.config import EngineArgs
+from vllm_tpu_lora.entrypoints.demo import add_demo_args
 from vllm_tpu_lora.entrypoints.openai.cli_args import add_server_args
 
 _SKIP = {"model", "precompile"}
@@ -65,7 +66,17 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from vllm_tpu_lora.entrypoints.openai.api_server import run
 
+    if not (args.model_tag or args.model):
+        from vllm_tpu_lora.entrypoints.demo import apply_demo_defaults
+
+        apply_demo_defaults(args)  # no model: serve the bundled demo model and adapters
     return run(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from vllm_tpu_lora.entrypoints.demo import run_demo
+
+    return run_demo(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per completion")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    demo = sub.add_parser("demo", help="the bundled model and adapters in one mixed batch")
+    add_demo_args(demo)
+    demo.set_defaults(func=_demo)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server (no model: the "
+                                         "bundled demo model with its adapters)")
     add_server_args(serve, positional_model=True)
     serve.set_defaults(func=_serve)
     return parser
