@@ -66,10 +66,6 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from vllm_tpu_lora.entrypoints.openai.api_server import run
 
-    if not (args.model_tag or args.model):
-        from vllm_tpu_lora.entrypoints.demo import apply_demo_defaults
-
-        apply_demo_defaults(args)  # no model: serve the bundled demo model and adapters
     return run(args)
 
 

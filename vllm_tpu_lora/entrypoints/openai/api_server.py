@@ -235,6 +235,10 @@ async def _serve_http(app: FastAPI, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not (getattr(args, "model_tag", None) or args.model):
+        from vllm_tpu_lora.entrypoints.demo import apply_demo_defaults
+
+        apply_demo_defaults(args)  # no model: serve the bundled demo model and adapters
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     asyncio.run(run_server(args))
