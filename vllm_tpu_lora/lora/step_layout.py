@@ -1,0 +1,78 @@
+"""The step's token -> adapter layout, built once per step on the host in numpy.
+
+Every LoRA layer of a step needs the same facts: which adapter each token uses and how
+the tokens group by adapter. They depend only on the scheduled requests, which the host
+knows before the step starts, so they are computed here once, in numpy, and uploaded
+with the other step inputs: no layer sorts tokens on the device, and the graph's shapes
+depend only on the buckets (T tokens, S adapter slots) and the token block B.
+
+Segment layout (for S >= 2): tokens sorted by adapter (stable), each adapter's run padded
+to a multiple of B rows, so every block of B rows belongs to one adapter:
+  perm        int64 [T_pad]   token feeding each row (padding rows repeat token 0)
+  dest        int64 [T]       row of each token (tokens without an adapter: row 0)
+  token_valid bool  [T]       the token uses an adapter
+  row_valid   bool  [T_pad]   the row holds a token that uses an adapter
+  block_slot  int64 [T_pad/B] DEVICE slot of each block's adapter, -1 for padding blocks
+with T_pad = padded_num_tokens(T, S, B) (static: every adapter wastes < B rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
+
+# Measured with `benchmarks/benchmark_ops.py --packed` (XLA CPU, a Llama layer's four
+# linears at hidden 512 / intermediate 1408, rank 16, replayed; LoRA ms over the base):
+#   T=16:  S=2 onehot 0.42 | grouped B=16 0.51;  S=8 onehot 1.32 | grouped B=1 0.78
+#   T=64:  S=4 onehot 0.63 | grouped B=16 0.80;  S=8 onehot 1.70 | grouped B=16 2.01
+#   T=256: S=4 onehot 2.08 | grouped B=16 3.05;  S=8 onehot 6.05 | grouped B=16 4.38
+# Grouped matmul with blocks under 8 rows runs XLA CPU's batched matmul badly (B=1 at
+# T=256: 66 ms), so the one-hot product over the step's S adapters wins except for the
+# largest buckets with many adapters, where its S-fold FLOPs dominate.
+GROUPED_MIN_TOKENS, GROUPED_MIN_SLOTS, GROUPED_BLOCK = 256, 8, 16
+
+
+def xla_strategy(num_tokens: int, num_slots: int) -> str:
+    """The xla backend's LoRA strategy for graph (T, S): "single", "onehot" or "grouped"."""
+    if num_slots == 1:
+        return "single"
+    if num_tokens >= GROUPED_MIN_TOKENS and num_slots >= GROUPED_MIN_SLOTS:
+        return "grouped"
+    return "onehot"
+
+
+def xla_token_block(num_tokens: int, num_slots: int) -> int:
+    """Token block B of the xla backend's grouped matmul (see the table above)."""
+    return GROUPED_BLOCK
+
+
+def segment_layout(token_pos: np.ndarray, active_slots: list[int], num_slots: int,
+                   block: int) -> dict[str, np.ndarray]:
+    """token_pos int [T]: the position of each token's adapter in `active_slots` (-1 for
+    none); active_slots: the device slot of each position. See the module docstring."""
+    num_tokens = token_pos.shape[0]
+    t_pad = padded_num_tokens(num_tokens, num_slots, block)
+    perm = np.zeros(t_pad, np.int64)
+    dest = np.zeros(num_tokens, np.int64)
+    block_slot = np.full(t_pad // block, -1, np.int64)
+    row = 0
+    for pos, slot in enumerate(active_slots):
+        tokens = np.flatnonzero(token_pos == pos)
+        if tokens.size == 0:
+            continue
+        perm[row:row + tokens.size] = tokens
+        dest[tokens] = np.arange(row, row + tokens.size)
+        padded = -(-tokens.size // block) * block
+        block_slot[row // block:(row + padded) // block] = slot
+        row += padded
+    row_valid = np.zeros(t_pad, bool)
+    row_valid[dest[token_pos >= 0]] = True
+    return {"perm": perm, "dest": dest, "token_valid": token_pos >= 0, "row_valid": row_valid,
+            "block_slot": block_slot}
+
+
+def single_slot_layout(token_pos: np.ndarray, active_slots: list[int]) -> dict[str, np.ndarray]:
+    """S = 1: every LoRA token uses the same adapter; no reordering at all."""
+    slot = np.array(active_slots[:1] or [0], np.int64)
+    return {"slot": slot, "token_valid": token_pos >= 0}

@@ -1,0 +1,100 @@
+"""Capture once, replay always, without dynamo: one lazy trace per graph key, then replay
+by graph hash (what torch_xla's dynamo bridge does underneath `openxla`, minus dynamo's
+bytecode tracing and AOT functionalisation, which tripled warm-up on XLA CPU).
+
+Contract of a captured function `fn(*args)`:
+- Its graph is a function of the key: the pytree structure of `args`, the shapes and
+  dtypes of their tensors, their non-tensor leaves (e.g. the LoRA-slot bucket), and the
+  persistent tensors it reads but is not given (model weights), which must never change.
+- Every tensor that changes between calls is passed in `args`: the step's inputs, and the
+  state the graph updates in place (the KV cache) or that is written between steps (LoRA
+  slot buffers). In-place updates of arguments are replayed (donated buffers, no copy).
+
+At replay the function's Python code does not run: the cached executable is launched
+with the new argument buffers in the traced input order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from vllm_tpu_lora import platform
+
+
+class _Graph:
+    """One key's captured graph."""
+
+    def __init__(self, graph_hash, input_plan, mutated: list[int], out_spec) -> None:
+        self.graph_hash = graph_hash
+        self.input_plan = input_plan  # per graph input: (arg index, None) or (None, buffer)
+        self.mutated = mutated  # indices of tensor args the graph updates in place
+        self.out_spec = out_spec
+
+
+def _xlac():
+    platform.xla_device()  # torch_xla imported with PJRT_DEVICE decided
+    import torch_xla
+
+    return torch_xla._XLAC
+
+
+class LazyGraphCapture:
+    def __init__(self) -> None:
+        self.captures = 0  # every trace: first captures and later ones alike
+
+    def compile(self, fn: Callable) -> Callable:
+        graphs: dict[Any, _Graph] = {}
+
+        def run(*args):
+            leaves, spec = pytree.tree_flatten(args)
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            key = (spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+                               for t in leaves))
+            graph = graphs.get(key)
+            if graph is None:
+                graph = graphs[key] = self._capture(fn, args, tensors)
+            return _replay(graph, tensors)
+
+        return run
+
+    def _capture(self, fn: Callable, args: tuple, tensors: list[torch.Tensor]) -> _Graph:
+        import torch_xla
+        from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
+
+        xlac = _xlac()
+        self.captures += 1
+        # Materialise everything first, so every argument is a device-data node that
+        # carries its own tensor id (how graph inputs are matched to arguments).
+        torch_xla.sync(reset_scope=False)
+        arg_of = {xlac._xla_get_tensor_id(t): i for i, t in enumerate(tensors)}
+        saved = [t.clone() for t in tensors]  # lazy: restores args updated in place
+        out = fn(*args)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        if not all(isinstance(x, torch.Tensor) for x in out_leaves):
+            raise TypeError("a captured graph must return tensors only")
+        mutated = [i for i, need in enumerate(xlac._check_tensor_need_materialization(tensors))
+                   if need]
+        roots = [tensors[i] for i in mutated] + out_leaves
+        ids, values = xlac._get_tensors_xla_device_data_node(roots)
+        plan = [(arg_of[i], None) if i in arg_of else (None, v) for i, v in zip(ids, values)]
+        with alias_with_buffer_donor_config():
+            graph_hash = xlac._get_graph_hash(roots)
+            xlac._xla_warm_up_cache(roots, [])  # compiles (or finds) the executable
+        for i in mutated:  # undo the trace's in-place updates: nothing has run yet
+            tensors[i].copy_(saved[i])
+        xlac._clear_pending_irs(str(platform.xla_device()))
+        return _Graph(graph_hash, plan, mutated, out_spec)
+
+
+def _replay(graph: _Graph, tensors: list[torch.Tensor]):
+    xlac = _xlac()
+    inputs = [tensors[a] if a is not None else buf for a, buf in graph.input_plan]
+    results = xlac._run_cached_graph(graph.graph_hash, inputs)
+    n = len(graph.mutated)
+    for i, res in zip(graph.mutated, results[:n]):
+        xlac._replace_xla_tensor(tensors[i], res)
+    return pytree.tree_unflatten(list(results[n:]), graph.out_spec)
