@@ -44,6 +44,9 @@ def api_key_from_env() -> str | None:
 
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The checkpoint modules LoRA can target (vLLM's default target modules for these models).
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class ModelConfig:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    enforce_eager: bool = False
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -127,8 +131,16 @@ class LoRAConfig:
     lora_dtype: str = "auto"
     fully_sharded_loras: bool = False
     lora_backend: str = "auto"
+    target_modules: tuple[str, ...] = LORA_TARGET_MODULES
 
     def __post_init__(self) -> None:
+        if not self.target_modules:
+            object.__setattr__(self, "target_modules", LORA_TARGET_MODULES)
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGET_MODULES))
+        if unknown:
+            raise ValueError(f"lora_target_modules {unknown} are not supported; choose from "
+                             f"{list(LORA_TARGET_MODULES)}")
+        object.__setattr__(self, "target_modules", tuple(dict.fromkeys(self.target_modules)))
         if self.max_loras < 1:
             raise ValueError(f"max_loras ({self.max_loras}) must be >= 1.")
         if self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
@@ -190,7 +202,9 @@ class EngineArgs:
     lora_dtype: str = "auto"
     fully_sharded_loras: bool = False
     lora_backend: str = "auto"
+    lora_target_modules: list[str] | None = None
     precompile: bool = True
+    enforce_eager: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -207,6 +221,7 @@ class EngineArgs:
             dtype=self.dtype,
             seed=self.seed,
             max_model_len=self.max_model_len,
+            enforce_eager=self.enforce_eager,
         )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
@@ -221,6 +236,7 @@ class EngineArgs:
                 lora_dtype=self.lora_dtype,
                 fully_sharded_loras=self.fully_sharded_loras,
                 lora_backend=self.lora_backend,
+                target_modules=tuple(self.lora_target_modules or ()),
             )
         return EngineConfig(
             model_config=model_config,

@@ -45,6 +45,20 @@ def sync() -> None:
     torch_xla.sync()
 
 
+def wait_device_ops() -> None:
+    """Block until every launched XLA execution has finished."""
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()
+
+
+def mark_donated(tensors) -> None:
+    """Let XLA update these graph inputs in place (the KV cache): without donation every
+    step would allocate a new buffer and copy the old contents into it."""
+    for t in tensors:
+        torch_xla._XLAC._set_buffer_donation(t, True)
+
+
 _cache_initialized = False
 
 

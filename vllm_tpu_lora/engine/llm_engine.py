@@ -60,7 +60,7 @@ class LLMEngine:
             kv_dtype=dtype, block_size=cc.block_size, max_model_len=self.max_model_len,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
             eos_token_id=self.eos_token_id, lora_manager=self.lora_manager, punica=punica,
-            tp=self.tp)
+            tp=self.tp, enforce_eager=mc.enforce_eager)
         self._rng = np.random.default_rng(mc.seed)
         self._requests: dict[str, RequestState] = {}
         self._counter = itertools.count()
@@ -74,11 +74,13 @@ class LLMEngine:
 
         lc = self.config.lora_config
         lora_dtype = dtype if lc.lora_dtype == "auto" else resolve_dtype(lc.lora_dtype)
-        punica = PunicaWrapper(self.tp.lora_backend(lc.lora_backend) if self.tp else lc.lora_backend)
-        layers = wrap_lora_layers(model, punica, lc.max_loras, lc.max_lora_rank, lora_dtype)
+        punica = PunicaWrapper(self.tp.lora_backend(lc.lora_backend) if self.tp else lc.lora_backend,
+                               fuse_slices=self.tp is None)
+        layers = wrap_lora_layers(model, punica, lc.max_loras, lc.max_lora_rank, lora_dtype,
+                                  lc.target_modules)
         manager = LoRAManager(model, layers, max_loras=lc.max_loras,
                               max_lora_rank=lc.max_lora_rank, max_cpu_loras=lc.max_cpu_loras,
-                              dtype=lora_dtype)
+                              dtype=lora_dtype, target_modules=lc.target_modules)
         return manager, punica
 
     @classmethod
@@ -252,6 +254,8 @@ class LLMEngine:
             "num_graphs": self.runner.num_graphs,
             "warmup_seconds": self.runner.warmup_seconds,
             "compilations_after_warmup": self.runner.guard.compilations_after_warmup,
+            "captures_after_warmup": self.runner.guard.captures_after_warmup,
+            "graph_replay": self.runner.capture is not None,
             "device": platform.device_type(),
             "tensor_parallel_size": self.tp.size if self.tp else 1,
             "lora_slots_in_use": self.lora_manager.num_slots_in_use if self.lora_manager else 0,

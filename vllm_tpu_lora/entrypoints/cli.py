@@ -32,7 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(hints[f.name])
-        if kind is None:
+        if "list" in str(hints[f.name]):
+            parser.add_argument(flag, nargs="+", type=kind, default=f.default)
+        elif kind is None:
             parser.add_argument(flag, action="store_true", default=f.default)
         else:
             parser.add_argument(flag, type=kind, default=f.default)

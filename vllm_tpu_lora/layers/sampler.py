@@ -89,8 +89,8 @@ class SamplerOutput:
     topk_token_ids: torch.Tensor  # int32 [R, K]
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors,
-           max_logprobs: int = MAX_LOGPROBS) -> SamplerOutput:
+def sample(logits: torch.Tensor, t: SamplingTensors, max_logprobs: int = MAX_LOGPROBS,
+           neg_token_ids: torch.Tensor | None = None) -> SamplerOutput:
     """Sample one token per row of logits[R, V] (see the module docstring).
 
     `max_logprobs` is static (each value is its own graph); everything else is data. Nothing
@@ -99,7 +99,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors,
     """
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    topk_logprobs, topk_ids = _top_logprobs(raw_logprobs, min(max_logprobs, logits.shape[-1]))
+    if neg_token_ids is None:
+        neg_token_ids = neg_token_ids_for(logits.shape[-1], logits.device)
+    topk_logprobs, topk_ids = _top_logprobs(raw_logprobs, min(max_logprobs, logits.shape[-1]),
+                                            neg_token_ids)
     is_greedy = t.temperature < _SAMPLING_EPS
     temperature = torch.where(is_greedy, torch.ones_like(t.temperature), t.temperature)
     scaled = logits / temperature[:, None]
@@ -118,7 +121,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors,
 _NEG_TOKEN_IDS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def _neg_token_ids(vocab: int, device: torch.device) -> torch.Tensor:
+def neg_token_ids_for(vocab: int, device: torch.device) -> torch.Tensor:
     """-arange(vocab) as float32, uploaded once per (vocab, device) and then passed to every
     graph as device data: built in-graph, the iota broadcast over [R, V] cost XLA CPU ~8 ms
     per call at R=32, V=32000 (measured), as a graph input it costs nothing."""
@@ -128,7 +131,8 @@ def _neg_token_ids(vocab: int, device: torch.device) -> torch.Tensor:
     return _NEG_TOKEN_IDS[key]
 
 
-def _top_logprobs(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_logprobs(raw: torch.Tensor, k: int,
+                  neg_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row, descending, lowest id first among equal values.
 
     `topk`'s order among equal values is backend-defined (XLA CPU's is not stable), and
@@ -144,7 +148,7 @@ def _top_logprobs(raw: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     above = vals > kth  # a prefix of each row, shorter than k
     n_above = above.to(torch.int32).sum(-1, keepdim=True)
     # -id is exact in float32 for V <= 2**24, and distinct, so this topk has no ties.
-    tie_score = torch.where(raw == kth, _neg_token_ids(raw.shape[-1], raw.device), float("-inf"))
+    tie_score = torch.where(raw == kth, neg_token_ids, float("-inf"))
     tie_ids = torch.topk(tie_score, k, dim=-1).indices  # lowest ids tied with kth, ascending
     # Rank of each entry above kth among them by (value desc, id asc), then invert the rank.
     v_i, v_j, id_i, id_j = vals[:, :, None], vals[:, None, :], ids[:, :, None], ids[:, None, :]

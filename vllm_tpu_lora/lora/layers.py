@@ -67,10 +67,14 @@ class LoRALinear(nn.Module):
 
 
 def wrap_lora_layers(model: nn.Module, punica: PunicaWrapper, max_loras: int, max_rank: int,
-                     dtype: torch.dtype) -> dict[str, LoRALinear]:
-    """Replace every LoRA-capable linear of `model` in place; return them by module name."""
+                     dtype: torch.dtype, target_modules=None) -> dict[str, LoRALinear]:
+    """Replace the LoRA-capable linears of `model` that hold a targeted checkpoint module
+    (all of them by default) in place; return them by module name. A packed layer is
+    wrapped whole when any of its slices is targeted (the others stay zero)."""
+    wanted = set(target_modules) if target_modules else None
     targets = [name for name, mod in model.named_modules()
-               if name.rsplit(".", 1)[-1] in LORA_TARGETS and hasattr(mod, "out_features")]
+               if name.rsplit(".", 1)[-1] in LORA_TARGETS and hasattr(mod, "out_features")
+               and (wanted is None or wanted & set(LORA_TARGETS[name.rsplit(".", 1)[-1]]))]
     wrapped = {}
     for name in targets:
         parent_name, attr = name.rsplit(".", 1)

@@ -22,8 +22,10 @@ from vllm_tpu_lora.lora.request import LoRARequest
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, layers: dict[str, LoRALinear], *, max_loras: int,
-                 max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype) -> None:
+                 max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype,
+                 target_modules=None) -> None:
         self.model = model
+        self.target_modules = target_modules
         self.layers = layers
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype = dtype
@@ -45,7 +47,7 @@ class LoRAManager:
             return False
         # float32 on the host: the scale is folded into B before the cast to self.dtype.
         lora = load_peft_adapter(request, self.model, max_lora_rank=self.max_rank,
-                                 dtype=torch.float32)
+                                 dtype=torch.float32, target_modules=self.target_modules)
         self.num_host_loads += 1
         self._make_room_in_cache()
         self._cache[request.lora_int_id] = lora

@@ -49,25 +49,30 @@ class _Target(NamedTuple):
 
 
 def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
-                      dtype: torch.dtype = torch.float32) -> LoRAModel:
+                      dtype: torch.dtype = torch.float32, target_modules=None) -> LoRAModel:
     """Read, validate and repack the adapter at `lora_request.lora_path` for `model`.
 
     `model` only supplies names and shapes (its `packed_modules_mapping`, and in/out features
     of each target layer, also through a LoRA wrapper's `base_layer`); it is not modified.
     Returns host tensors in `dtype`; raises ValueError naming the adapter on any problem.
+    `target_modules` (the engine's lora_target_modules, checkpoint names such as "q_proj"):
+    an adapter with weights for any other module is rejected.
     """
     try:
-        return _load(lora_request, model, max_lora_rank, dtype)
+        return _load(lora_request, model, max_lora_rank, dtype, target_modules)
     except _Invalid as e:
         raise ValueError(f"Loading lora {lora_request.lora_name} failed: {e}") from e.__cause__
 
 
-def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype) -> LoRAModel:
+def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype,
+          target_modules) -> LoRAModel:
     path = lora_request.lora_path
     cfg = _read_config(path)
     _check_config(cfg)
     tensors = _read_weights(path)
     targets = _model_targets(model)
+    if target_modules:
+        targets = {k: v for k, v in targets.items() if k.rsplit(".", 1)[-1] in target_modules}
     pairs = _group_tensors(tensors, targets, cfg, path)
     modules = _build_modules(pairs, targets, cfg, dtype)
     rank = max(s.rank for slices in modules.values() for s in slices if s is not None)

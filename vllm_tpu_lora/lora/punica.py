@@ -1,42 +1,182 @@
 """PunicaWrapper: the per-step LoRA metadata every LoRA layer reads, and the shrink/expand
 dispatch (vLLM's method names).
 
-Per step the runner sets, as data only: `token_lora_idx` [T] (position of each token's
-adapter in the step's active list, -1 for the base model and padding) and `active_slots`
-[S] (device slot of each active position), where S is the step's LoRA-slot bucket. The
-bucket itself is the only Python-level value and it is part of the graph key: S = 0 traces
-no LoRA op at all, and the cost of the LoRA ops grows with S, not with max_loras.
+Per step the runner asks `plan_step` for the step's host arrays (numpy, built once per
+step, see lora/step_layout.py), uploads them, and hands them to `set_step` with the step's
+LoRA-slot bucket S. S is the only Python-level value and it is part of the graph key:
+S = 0 traces no LoRA op at all, and the cost of the LoRA ops grows with S, not max_loras.
+
+Single device (`fuse_slices`): every op indexes the full stacked buffers
+`lora_a[max_loras, R, D]` / `lora_b[max_loras, O, R]` by device slot, and a packed layer
+(qkv, gate_up) shrinks once over its slices' concatenated A (vLLM's fused slices) and
+scatters its concatenated deltas back once:
+  - xla, per graph (T, S) by measurement (lora/step_layout.py): S = 1 a plain
+    `x @ A[slot].T`; otherwise one dense product with the S active adapters selected by
+    a [T, S] one-hot (XLA CPU's fastest at most buckets), or, for the largest buckets
+    with many adapters, a grouped matmul on the step's segment layout (tokens grouped by
+    adapter, runs padded to a token block B): FLOPs T_pad*R*(D+O), T_pad <= T + S*(B-1).
+  - pallas: the Pallas kernels on the segment layout, the block -> slot map scalar-
+    prefetched, so each block's BlockSpec fetches its adapter straight from the buffers.
+Tensor parallel: per-slice ops on the active slots' weights, so each slice stays sharded
+like its lora_b (see lora/layers.py `forward_slices`); the layout is built on the device.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_tpu_lora import ops
+from vllm_tpu_lora.lora import step_layout
+from vllm_tpu_lora.ops.block_sizes import token_block
 
 
 class PunicaWrapper:
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, fuse_slices: bool = False) -> None:
         self.backend = ops.resolve_backend(backend)
+        self.fuse_slices = fuse_slices
+        # xla backend: None picks per graph (xla_strategy); benchmarks force one.
+        self.force_strategy: str | None = None
+        self.force_block: int | None = None
         self.num_active_slots = 0  # the slot bucket S of the graph being traced
-        self.token_lora_idx: torch.Tensor | None = None
-        self.active_slots: torch.Tensor | None = None
+        self.step: dict[str, torch.Tensor] = {}
         self._layout = None
         self._ones = None
 
-    def set_step(self, num_active_slots: int, token_lora_idx: torch.Tensor | None,
-                 active_slots: torch.Tensor | None) -> None:
+    # ---- per step ----
+
+    def plan_step(self, token_pos: np.ndarray, active_slots: list[int], num_slots: int,
+                  dtype: torch.dtype) -> dict[str, np.ndarray]:
+        """Host arrays for a step of slot bucket `num_slots`: token_pos [T] is each token's
+        position in `active_slots` (-1: base model or padding)."""
+        if num_slots == 0:
+            return {}
+        active = np.zeros(num_slots, np.int32)
+        active[: len(active_slots)] = active_slots
+        arrays = {"token_lora_idx": token_pos.astype(np.int32), "active_slots": active}
+        if not self.fuse_slices:
+            return arrays
+        strategy = self.xla_strategy(token_pos.shape[0], num_slots)
+        if strategy == "single":
+            arrays.update(step_layout.single_slot_layout(token_pos, active_slots))
+        elif strategy == "grouped" or self.backend == "pallas":
+            block = self.token_block(token_pos.shape[0], num_slots, dtype)
+            arrays.update(step_layout.segment_layout(token_pos, active_slots, num_slots, block))
+        return arrays
+
+    def xla_strategy(self, num_tokens: int, num_slots: int) -> str | None:
+        """xla backend, per graph (T, S): "single" (S = 1), "onehot" or "grouped"."""
+        if self.backend != "xla":
+            return None
+        if self.force_strategy is not None:
+            return self.force_strategy
+        return step_layout.xla_strategy(num_tokens, num_slots)
+
+    def token_block(self, num_tokens: int, num_slots: int, dtype: torch.dtype) -> int:
+        if self.backend == "pallas":
+            return token_block(dtype, "pallas")
+        if self.force_block is not None:
+            return self.force_block
+        return step_layout.xla_token_block(num_tokens, num_slots)
+
+    def set_step(self, num_active_slots: int, tensors: dict[str, torch.Tensor]) -> None:
         self.num_active_slots = num_active_slots
-        self.token_lora_idx, self.active_slots = token_lora_idx, active_slots
-        self._layout = None  # built lazily, once per traced forward, by the first layer
+        self.step = tensors
+        self._layout = None  # tensor parallel: built lazily, once per traced forward
 
     @property
     def active(self) -> bool:
         return self.num_active_slots > 0
 
+    # ---- single device: fused slices over the full stacked buffers ----
+
+    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
+                        lora_b: list[torch.Tensor], output_slices: list[int]) -> torch.Tensor:
+        """Semantics: y[t] += concat_i(x[t] @ A_i[s].T @ B_i[s].T), s = slot of token t
+        (scales are folded into B at load time); tokens without an adapter unchanged.
+        Shapes: y [T, sum(O_i)], x [T, D], lora_a[i] [N, R, D], lora_b[i] [N, O_i, R]."""
+        if not self.fuse_slices:
+            offset = 0
+            for a, b, size in zip(lora_a, lora_b, output_slices):
+                y = self.add_expand(y, self.add_shrink(x, a), b, offset, size)
+                offset += size
+            return y
+        if self.backend == "pallas":
+            return self._pallas_linear(y, x, lora_a, lora_b, output_slices)
+        strategy = self.xla_strategy(x.shape[0], self.num_active_slots)
+        if strategy == "single":
+            return self._single_slot_linear(y, x, lora_a, lora_b)
+        if strategy == "onehot":
+            return self._onehot_linear(y, x, lora_a, lora_b)
+        return self._grouped_linear(y, x, lora_a, lora_b)
+
+    def _add_masked(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        # where, not a multiply: a token without an adapter gets exactly zero.
+        valid = self.step["token_valid"][:, None]
+        return y + torch.where(valid, delta, torch.zeros_like(delta)).to(y.dtype)
+
+    def _single_slot_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
+        slot = self.step["slot"]
+        rank = lora_a[0].shape[1]
+        a = torch.cat([la.index_select(0, slot)[0] for la in lora_a], dim=0).to(x.dtype)
+        xa = x @ a.T  # [T, n*R]: one shrink for every slice
+        deltas = [xa[:, i * rank:(i + 1) * rank] @ lb.index_select(0, slot)[0].to(x.dtype).T
+                  for i, lb in enumerate(lora_b)]
+        return self._add_masked(y, torch.cat(deltas, dim=1))
+
+    def _onehot_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
+        """Every token times the step's S active adapters in one dense matmul, the wanted
+        product selected by a [T, S] one-hot: gather-free, FLOPs S*T*R*(D+O). Slot
+        buffers hold only finite values (the loader rejects NaN/Inf, free slots are zero),
+        so selecting by multiplication is exact."""
+        t, s, rank = x.shape[0], self.num_active_slots, lora_a[0].shape[1]
+        active = self.step["active_slots"]
+        slots = torch.arange(s, device=x.device, dtype=torch.int32)
+        onehot = (self.step["token_lora_idx"][:, None] == slots).to(x.dtype)  # [T, S]
+        a = torch.cat([la.index_select(0, active) for la in lora_a], dim=1).to(x.dtype)
+        xa = (x @ a.reshape(-1, x.shape[1]).T).view(t, s, -1) * onehot[:, :, None]
+        deltas = []
+        for i, lb in enumerate(lora_b):
+            b = lb.index_select(0, active).to(x.dtype)  # [S, O_i, R]
+            xi = xa[:, :, i * rank:(i + 1) * rank].reshape(t, s * rank)
+            deltas.append(xi @ b.permute(0, 2, 1).reshape(s * rank, b.shape[1]))
+        return y + torch.cat(deltas, dim=1).to(y.dtype)
+
+    def _grouped_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
+        perm, block_slot = self.step["perm"], self.step["block_slot"]
+        t_pad, nb, rank = perm.shape[0], block_slot.shape[0], lora_a[0].shape[1]
+        slot = block_slot.clamp(min=0)  # padding blocks compute on slot 0; never read back
+        a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=1).to(x.dtype)
+        xs = x.index_select(0, perm).view(nb, t_pad // nb, x.shape[1])
+        ys = torch.bmm(xs, a.transpose(1, 2))  # [NB, B, n*R]
+        zs = [torch.bmm(ys[:, :, i * rank:(i + 1) * rank],
+                        lb.index_select(0, slot).to(x.dtype).transpose(1, 2))
+              for i, lb in enumerate(lora_b)]
+        z = torch.cat(zs, dim=2).reshape(t_pad, -1).index_select(0, self.step["dest"])
+        return self._add_masked(y, z)
+
+    def _pallas_linear(self, y, x, lora_a, lora_b, output_slices) -> torch.Tensor:
+        layout = self._host_layout()
+        ones = torch.ones(lora_a[0].shape[0], dtype=x.dtype, device=x.device)
+        offset = 0
+        for a, b, size in zip(lora_a, lora_b, output_slices):
+            ys = ops.segment_shrink(x, a, layout, ones, backend="pallas")
+            y = ops.segment_expand(ys, b, layout, y, offset, size, backend="pallas")
+            offset += size
+        return y
+
+    def _host_layout(self) -> ops.SegmentLayout:
+        st = self.step
+        return ops.SegmentLayout(
+            perm=st["perm"], row_valid=st["row_valid"], dest=st["dest"],
+            token_valid=st["token_valid"], idx=st["token_lora_idx"],
+            block_slot=st["block_slot"], block=st["perm"].shape[0] // st["block_slot"].shape[0])
+
+    # ---- tensor parallel: per slice, on the active slots' weights ----
+
     def _get_layout(self, dtype: torch.dtype):
         if self._layout is None:
-            idx = self.token_lora_idx
+            idx = self.step["token_lora_idx"]
             self._layout = ops.make_segment_layout(idx, self.num_active_slots,
                                                    backend=self.backend, dtype=dtype)
             # Adapter scales are folded into lora_b at load time.
@@ -49,7 +189,7 @@ class PunicaWrapper:
         Shapes: x [T, D], lora_a [max_loras, R, D] -> [T_pad, R]. keep_rank_axis: for a
         rank-sharded lora_a (see ops.bgmv_xla.onehot_shrink)."""
         layout = self._get_layout(x.dtype)
-        a = lora_a.index_select(0, self.active_slots)
+        a = lora_a.index_select(0, self.step["active_slots"])
         return ops.segment_shrink(x, a, layout, self._ones, backend=self.backend,
                                   keep_rank_axis=keep_rank_axis)
 
@@ -57,15 +197,6 @@ class PunicaWrapper:
                    offset: int, size: int) -> torch.Tensor:
         """Semantics: y[:, offset:offset+size] += ys @ lora_b[slot(t)].T.
         Shapes: y [T, O_total], ys [T_pad, R], lora_b [max_loras, size, R] -> y'."""
-        b = lora_b.index_select(0, self.active_slots)
+        b = lora_b.index_select(0, self.step["active_slots"])
         return ops.segment_expand(ys, b, self._get_layout(y.dtype), y, offset, size,
                                   backend=self.backend)
-
-    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor],
-                        lora_b: list[torch.Tensor], output_slices: list[int]) -> torch.Tensor:
-        """y += LoRA(x) for every slice of a (possibly packed) linear layer."""
-        offset = 0
-        for a, b, size in zip(lora_a, lora_b, output_slices):
-            y = self.add_expand(y, self.add_shrink(x, a), b, offset, size)
-            offset += size
-        return y

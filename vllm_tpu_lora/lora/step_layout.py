@@ -8,11 +8,11 @@ depend only on the buckets (T tokens, S adapter slots) and the token block B.
 
 Segment layout (for S >= 2): tokens sorted by adapter (stable), each adapter's run padded
 to a multiple of B rows, so every block of B rows belongs to one adapter:
-  perm        int64 [T_pad]   token feeding each row (padding rows repeat token 0)
-  dest        int64 [T]       row of each token (tokens without an adapter: row 0)
+  perm        int32 [T_pad]   token feeding each row (padding rows repeat token 0)
+  dest        int32 [T]       row of each token (tokens without an adapter: row 0)
   token_valid bool  [T]       the token uses an adapter
   row_valid   bool  [T_pad]   the row holds a token that uses an adapter
-  block_slot  int64 [T_pad/B] DEVICE slot of each block's adapter, -1 for padding blocks
+  block_slot  int32 [T_pad/B] DEVICE slot of each block's adapter, -1 for padding blocks
 with T_pad = padded_num_tokens(T, S, B) (static: every adapter wastes < B rows).
 """
 
@@ -53,9 +53,9 @@ def segment_layout(token_pos: np.ndarray, active_slots: list[int], num_slots: in
     none); active_slots: the device slot of each position. See the module docstring."""
     num_tokens = token_pos.shape[0]
     t_pad = padded_num_tokens(num_tokens, num_slots, block)
-    perm = np.zeros(t_pad, np.int64)
-    dest = np.zeros(num_tokens, np.int64)
-    block_slot = np.full(t_pad // block, -1, np.int64)
+    perm = np.zeros(t_pad, np.int32)
+    dest = np.zeros(num_tokens, np.int32)
+    block_slot = np.full(t_pad // block, -1, np.int32)
     row = 0
     for pos, slot in enumerate(active_slots):
         tokens = np.flatnonzero(token_pos == pos)
@@ -74,5 +74,5 @@ def segment_layout(token_pos: np.ndarray, active_slots: list[int], num_slots: in
 
 def single_slot_layout(token_pos: np.ndarray, active_slots: list[int]) -> dict[str, np.ndarray]:
     """S = 1: every LoRA token uses the same adapter; no reordering at all."""
-    slot = np.array(active_slots[:1] or [0], np.int64)
+    slot = np.array(active_slots[:1] or [0], np.int32)
     return {"slot": slot, "token_valid": token_pos >= 0}

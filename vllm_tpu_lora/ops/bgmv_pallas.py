@@ -1,15 +1,24 @@
 """Pallas TPU kernels for the LoRA ops on the segment layout, bridged into torch_xla.
 
-The runner's segment layout (bgmv_xla.make_segment_layout) sorts tokens by LoRA
-slot and pads each slot's run to the token block B, so every token block belongs
-to exactly one adapter. The kernels grid over token blocks and scalar-prefetch
-`block_slot`, letting each BlockSpec index_map fetch only that block's adapter:
-FLOPs are T_pad*R*D (not N*T*R*D) and consecutive blocks of one slot keep the
-same weight block index, so the pipeline skips the refetch and each active
-adapter's weights stream once per feature tile. Trailing padding blocks
-(block_slot = -1) re-point their index maps at the last valid block (no new DMA)
-and write zeros under pl.when. Unreferenced slots are never loaded, so NaN in
-them cannot leak.
+The runner's segment layout (built once per step on the host, lora/step_layout.py)
+sorts tokens by adapter and pads each adapter's run to the token block B, so every
+token block belongs to exactly one adapter. The kernels grid over token blocks and
+scalar-prefetch `block_slot`, the DEVICE slot of each block: each BlockSpec index_map
+fetches that block's adapter straight from the full stacked buffers [max_loras, ...]
+(no per-op copy of the active adapters), and FLOPs are T_pad*R*D, not N*T*R*D.
+Unreferenced slots are never loaded, so NaN in them cannot leak.
+
+What the grid order really re-fetches (Pallas skips a DMA when a block index repeats
+from one grid step to the next):
+- shrink, grid (T_pad/B, D/block_d), D innermost: when D fits one tile (block_d = D,
+  the case for every width up to MAX_FEATURE_TILE) the adapter's [R, D] block index
+  repeats across the consecutive token blocks of one adapter, so it streams once per
+  adapter; when D is tiled, the index changes every step and the adapter's tiles are
+  re-fetched for each of its token blocks (R*D per block: small next to the x blocks).
+- expand, grid (O/block_o, T_pad/B), token blocks innermost: per O tile, each adapter's
+  [block_o, R] tile is fetched once per run of its blocks, i.e. once per adapter per tile.
+Trailing padding blocks (block_slot = -1) re-point their index maps at the last valid
+block (no new DMA) and write zeros under pl.when.
 
 `interpret=True` runs the same kernels on any backend (PJRT CPU); Mosaic on TPU.
 Only the matmuls are kernels; the permutation gathers and the scatter back stay

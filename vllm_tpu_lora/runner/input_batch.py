@@ -1,7 +1,8 @@
 """Host-side input preparation in numpy: one scheduled step -> padded arrays.
 
-Token rows are padded to the token bucket T; per-sequence rows (sampling and the TPU
-attention kernel's metadata) to the request bucket R. Padding tokens write to and read
+Token rows are padded to the token bucket T; per-sequence sampling rows to the request
+bucket R, the TPU attention kernel's per-sequence rows to max_num_seqs (they belong to
+the forward graph, which does not depend on R). Padding tokens write to and read
 from the reserved null block, padding rows sample garbage that nobody reads.
 
 For the CPU attention path each sequence's tokens are also cut into query blocks of Q
@@ -33,10 +34,10 @@ class StepArrays:
     q_block_kv_lens: np.ndarray  # [NQB, Q] keys each query sees (position + 1)
     token_out_index: np.ndarray  # [T] row of each token in the flattened [NQB * Q] output
     token_lora_idx: np.ndarray  # -1: base model / padding
-    # sequence rows [R]
+    # attention's sequence rows [S = max_num_seqs]
     seq_kv_lens: np.ndarray
-    seq_block_tables: np.ndarray  # [R, MB]
-    cu_q_lens: np.ndarray  # [R + 1]
+    seq_block_tables: np.ndarray  # [S, MB]
+    cu_q_lens: np.ndarray  # [S + 1]
     num_seqs: np.ndarray  # [1]
     logits_indices: np.ndarray  # [max_num_seqs]: last token row of each sequence
     temperature: np.ndarray
@@ -71,8 +72,11 @@ def _alloc(t: int, r: int, mb: int, nqb: int, q: int, max_seqs: int) -> dict[str
         q_block_tables=np.full((nqb, mb), NULL_BLOCK, np.int64),
         q_block_kv_lens=np.ones((nqb, q), np.int32), token_out_index=np.zeros(t, np.int64),
         token_lora_idx=np.full(t, -1, np.int32),
-        seq_kv_lens=np.zeros(r, np.int32), seq_block_tables=np.full((r, mb), NULL_BLOCK, np.int64),
-        cu_q_lens=np.zeros(r + 1, np.int32), num_seqs=np.zeros(1, np.int32),
+        # Attention's per-sequence rows are part of the forward graph, which is keyed by
+        # (token bucket, slot bucket) only: always max_num_seqs rows.
+        seq_kv_lens=np.zeros(max_seqs, np.int32),
+        seq_block_tables=np.full((max_seqs, mb), NULL_BLOCK, np.int64),
+        cu_q_lens=np.zeros(max_seqs + 1, np.int32), num_seqs=np.zeros(1, np.int32),
         logits_indices=np.zeros(max_seqs, np.int64), temperature=np.zeros(r, np.float32),
         top_k=np.zeros(r, np.int32), top_p=np.ones(r, np.float32), min_p=np.zeros(r, np.float32),
         seeds=np.zeros(r, np.int64), steps=np.zeros(r, np.int64),

@@ -70,23 +70,32 @@ class LazyGraphCapture:
         # Materialise everything first, so every argument is a device-data node that
         # carries its own tensor id (how graph inputs are matched to arguments).
         torch_xla.sync(reset_scope=False)
+        # ...and finished: graph inputs kept by value must not be in-flight placeholders.
+        platform.wait_device_ops()
         arg_of = {xlac._xla_get_tensor_id(t): i for i, t in enumerate(tensors)}
         saved = [t.clone() for t in tensors]  # lazy: restores args updated in place
-        out = fn(*args)
-        out_leaves, out_spec = pytree.tree_flatten(out)
-        if not all(isinstance(x, torch.Tensor) for x in out_leaves):
-            raise TypeError("a captured graph must return tensors only")
-        mutated = [i for i, need in enumerate(xlac._check_tensor_need_materialization(tensors))
-                   if need]
-        roots = [tensors[i] for i in mutated] + out_leaves
-        ids, values = xlac._get_tensors_xla_device_data_node(roots)
-        plan = [(arg_of[i], None) if i in arg_of else (None, v) for i, v in zip(ids, values)]
-        with alias_with_buffer_donor_config():
-            graph_hash = xlac._get_graph_hash(roots)
-            xlac._xla_warm_up_cache(roots, [])  # compiles (or finds) the executable
-        for i in mutated:  # undo the trace's in-place updates: nothing has run yet
-            tensors[i].copy_(saved[i])
-        xlac._clear_pending_irs(str(platform.xla_device()))
+        mutated: list[int] = []
+        try:
+            out = fn(*args)
+            out_leaves, out_spec = pytree.tree_flatten(out)
+            if not all(isinstance(x, torch.Tensor) for x in out_leaves):
+                raise TypeError("a captured graph must return tensors only")
+            mutated = [i for i, need in
+                       enumerate(xlac._check_tensor_need_materialization(tensors)) if need]
+            roots = [tensors[i] for i in mutated] + out_leaves
+            ids, values = xlac._get_tensors_xla_device_data_node(roots)
+            plan = [(arg_of[i], None) if i in arg_of else (None, v) for i, v in zip(ids, values)]
+            with alias_with_buffer_donor_config():
+                graph_hash = xlac._get_graph_hash(roots)
+                xlac._xla_warm_up_cache(roots, [])  # compiles (or finds) the executable
+        finally:
+            # Nothing of the trace may run: undo its in-place updates, drop its IR (also
+            # when the trace failed, so the next graph does not inherit half a step).
+            needs = xlac._check_tensor_need_materialization(tensors)
+            for i, need in enumerate(needs):
+                if need:
+                    tensors[i].copy_(saved[i])
+            xlac._clear_pending_irs(str(platform.xla_device()))
         return _Graph(graph_hash, plan, mutated, out_spec)
 
 

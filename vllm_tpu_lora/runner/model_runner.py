@@ -20,10 +20,11 @@ from vllm_tpu_lora import platform
 from vllm_tpu_lora.engine.scheduler import ScheduledSeq
 from vllm_tpu_lora.layers.attention import AttentionMetadata
 from vllm_tpu_lora.layers.linear import pretranspose_linears
-from vllm_tpu_lora.layers.sampler import SamplingTensors, sample
+from vllm_tpu_lora.layers.sampler import SamplingTensors, neg_token_ids_for, sample
 from vllm_tpu_lora.runner import buckets
 from vllm_tpu_lora.runner.compile_guard import CompileGuard
 from vllm_tpu_lora.runner.input_batch import StepArrays, prepare_step
+from vllm_tpu_lora.runner.lazy_capture import LazyGraphCapture
 
 
 @dataclass
@@ -39,7 +40,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_layers: int, kv_cache_shapes: list[tuple],
                  kv_dtype: torch.dtype, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, eos_token_id: int | None,
-                 lora_manager=None, punica=None, tp=None) -> None:
+                 lora_manager=None, punica=None, tp=None, enforce_eager: bool = False) -> None:
         self.device = platform.xla_device()
         model.untie_lm_head()
         pretranspose_linears(model)
@@ -47,6 +48,7 @@ class ModelRunner:
             tp.prepare(model)
         self.model = model.to(self.device)
         self.block_size = block_size
+        self.dtype = kv_dtype  # the activations' dtype
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.eos_token_id = eos_token_id
         self.kv_caches = [tuple(torch.zeros(shape, dtype=kv_dtype, device=self.device)
@@ -58,50 +60,61 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.lora_manager, self.punica = lora_manager, punica
         self.slot_ladder = buckets.slot_buckets(lora_manager.max_loras if lora_manager else 0)
-        self.guard = CompileGuard()
+        # enforce_eager (vLLM's name): re-trace every step lazily instead of replaying.
+        # Tensor parallel (SPMD) also re-traces: replaying an SPMD graph by hash hit
+        # in-flight scalar placeholders among its by-value inputs (see the README).
+        self.capture = None if enforce_eager or tp is not None else LazyGraphCapture()
+        compile_fn = self.capture.compile if self.capture else (lambda fn: fn)
+        self._forward_graph = compile_fn(_bind_forward(self.model, punica))
+        self._sample_graph = compile_fn(_bind_sample(self.model))
+        if self.capture is not None:  # the graphs update the KV cache in place
+            for cache in self.kv_caches:
+                platform.mark_donated(cache)
+        # Written between steps (slot loads): graph arguments, never baked-in constants.
+        self._lora_buffers = ([b for layer in lora_manager.layers.values()
+                               for b in layer.lora_a + layer.lora_b] if lora_manager else [])
+        self._neg_token_ids = neg_token_ids_for(model.config["vocab_size"], self.device)
+        self.guard = CompileGuard(self.capture)
+        # Benchmarks: wait for each graph before the host goes on, so that XLA's
+        # ExecuteTime metric adds up to the device time of a step (no overlap).
+        self.serialize_graphs = False
         self.warmup_seconds = 0.0
         self.num_graphs = 0
         platform.sync()
 
     # ---- graphs ----
 
+    def _to_device(self, x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(x).to(self.device)
+
     def _forward(self, a: StepArrays, num_slots: int) -> torch.Tensor:
-        dev = self.device
-        t = lambda x: torch.from_numpy(x).to(dev)  # noqa: E731
+        t = self._to_device
+        lora = {}
         if self.punica is not None:
-            active = np.zeros(num_slots, np.int64)
-            active[: len(a.active_slots)] = a.active_slots
-            self.punica.set_step(num_slots, t(a.token_lora_idx) if num_slots else None,
-                                 t(active) if num_slots else None)
-        meta = AttentionMetadata(
-            slot_mapping=t(a.slot_mapping), q_block_token_idx=t(a.q_block_token_idx),
-            q_block_tables=t(a.q_block_tables), q_block_kv_lens=t(a.q_block_kv_lens),
-            token_out_index=t(a.token_out_index), seq_kv_lens=t(a.seq_kv_lens),
-            seq_block_tables=t(a.seq_block_tables), cu_q_lens=t(a.cu_q_lens),
-            num_seqs=t(a.num_seqs))
-        hidden = self.model(t(a.input_ids), t(a.positions), self.kv_caches, meta)
-        last = hidden.index_select(0, t(a.logits_indices))  # [max_num_seqs, hidden]
-        platform.sync()
+            plan = self.punica.plan_step(a.token_lora_idx, a.active_slots, num_slots,
+                                         self.dtype)
+            lora = {k: t(v) for k, v in plan.items()}
+        meta = {name: t(getattr(a, name)) for name in _META_FIELDS}
+        inputs = {name: t(getattr(a, name)) for name in ("input_ids", "positions",
+                                                          "logits_indices")}
+        last = self._forward_graph(inputs, meta, lora, num_slots, self.kv_caches,
+                                   self._lora_buffers)
+        self._launched()
         return last
 
     def _sample(self, last_hidden: torch.Tensor, a: StepArrays) -> torch.Tensor:
-        dev = self.device
-        st = SamplingTensors(
-            temperature=torch.from_numpy(a.temperature).to(dev),
-            top_k=torch.from_numpy(a.top_k).to(dev), top_p=torch.from_numpy(a.top_p).to(dev),
-            min_p=torch.from_numpy(a.min_p).to(dev), seeds=torch.from_numpy(a.seeds).to(dev),
-            step=torch.from_numpy(a.steps).to(dev))
-        logits = self.model.compute_logits(last_hidden[: len(a.temperature)])
-        logits = _mask_blocked(logits.float(), torch.from_numpy(a.blocked_ids).to(dev))
-        out = sample(logits, st)
-        raw = torch.log_softmax(logits, dim=-1)
-        rank = (raw > out.sampled_logprobs[:, None]).sum(-1) + 1
-        # One packed float32 transfer instead of five: token ids < 2**24 are exact.
-        packed = torch.cat([out.sampled_token_ids[:, None].float(), out.sampled_logprobs[:, None],
-                            rank[:, None].float(), out.topk_token_ids.float(),
-                            out.topk_logprobs], dim=1)
-        platform.sync()
+        t = self._to_device
+        st = dict(temperature=t(a.temperature), top_k=t(a.top_k), top_p=t(a.top_p),
+                  min_p=t(a.min_p), seeds=t(a.seeds), step=t(a.steps))
+        packed = self._sample_graph(last_hidden, st, t(a.blocked_ids), self._neg_token_ids)
+        self._launched()
         return packed
+
+    def _launched(self) -> None:
+        if self.capture is None:  # lazy mode: cut the graph here and launch it
+            platform.sync()
+        if self.serialize_graphs:
+            platform.wait_device_ops()
 
     # ---- public ----
 
@@ -191,6 +204,40 @@ class ModelRunner:
             for c in layer_cache:
                 c.zero_()
         platform.sync()
+
+
+_META_FIELDS = ("slot_mapping", "q_block_token_idx", "q_block_tables", "q_block_kv_lens",
+                "token_out_index", "seq_kv_lens", "seq_block_tables", "cu_q_lens", "num_seqs")
+
+
+def _bind_forward(model, punica):
+    def model_forward(inputs: dict, meta: dict, lora: dict, num_slots: int, kv_caches,
+                      lora_buffers) -> torch.Tensor:
+        """Graph 1, per (token bucket, LoRA-slot bucket): the forward pass, ending with the
+        last hidden row of each sequence [max_num_seqs, hidden]. lora_buffers are read
+        through the LoRA layers; they are arguments so that slot writes are seen."""
+        if punica is not None:
+            punica.set_step(num_slots, lora)
+        hidden = model(inputs["input_ids"], inputs["positions"], kv_caches,
+                       AttentionMetadata(**meta))
+        return hidden.index_select(0, inputs["logits_indices"])
+    return model_forward
+
+
+def _bind_sample(model):
+    def logits_and_sample(last_hidden, st: dict, blocked_ids, neg_token_ids) -> torch.Tensor:
+        """Graph 2, per request bucket R: logits, sampling and logprobs of the first R rows,
+        packed into one float32 [R, 3 + 2K] transfer (token ids < 2**24 are exact)."""
+        st = SamplingTensors(**st)
+        logits = model.compute_logits(last_hidden[: st.temperature.shape[0]])
+        logits = _mask_blocked(logits.float(), blocked_ids)
+        out = sample(logits, st, neg_token_ids=neg_token_ids)
+        raw = torch.log_softmax(logits, dim=-1)
+        rank = (raw > out.sampled_logprobs[:, None]).sum(-1) + 1
+        return torch.cat([out.sampled_token_ids[:, None].float(), out.sampled_logprobs[:, None],
+                          rank[:, None].float(), out.topk_token_ids.float(),
+                          out.topk_logprobs], dim=1)
+    return logits_and_sample
 
 
 def _mask_blocked(logits: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
