@@ -21,6 +21,13 @@ torch_xla.sync() and waiting for the device; *_ms_per_layer divides by --layers.
 compile_s is the first call (trace + compile + run).
 
 Usage: python benchmarks/benchmark_ops.py [--iters 10] [--slots 1 4 8] [--layers 8]
+
+`--packed` measures what the runner's graphs actually run instead: per (T, S) the LoRA
+cost of a Llama layer's four linears (qkv and gate_up with fused slices) over the full
+stacked slot buffers, for each xla strategy (single adapter, one-hot over the active
+slots, grouped matmul at token block B), captured once and replayed (device time):
+
+    python benchmarks/benchmark_ops.py --packed [--tokens 16 64 256] [--slots 1 2 4 8]
 """
 
 from __future__ import annotations
@@ -172,5 +179,99 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
 
+def packed_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description="--packed: " + packed_rows.__doc__)
+    p.add_argument("--packed", action="store_true")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--slots", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--inter", type=int, default=1408)
+    p.add_argument("--kv", type=int, default=256)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--iters", type=int, default=20)
+    packed_rows(p.parse_args(argv))
+
+
+# ---- --packed: the per-layer strategies of the runner's LoRA layers, replayed ----------
+
+
+def _packed_layers(dim: int, inter: int, kv: int, rank: int, slots: int, dev) -> list:
+    """(in, [out slices], lora_a list, lora_b list, base weight [in, out]) for a Llama
+    layer's qkv, o, gate_up and down linears, LoRA buffers of `slots` slots."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(dim, [dim, kv, kv]), (dim, [dim]), (dim, [inter, inter]), (inter, [dim])]
+    layers = []
+    for d, outs in shapes:
+        a = [(torch.randn(slots, rank, d, generator=gen) * 0.05).to(dev) for _ in outs]
+        b = [(torch.randn(slots, o, rank, generator=gen) * 0.05).to(dev) for o in outs]
+        w = (torch.randn(d, sum(outs), generator=gen) * 0.05).to(dev)
+        layers.append((d, outs, a, b, w))
+    return layers
+
+
+def packed_rows(args) -> list[dict]:
+    """One row per (T, S, strategy): replayed device ms of --layers decoder layers' worth of
+    LoRA linears (qkv, o, gate_up, down), next to the base linears alone."""
+    import numpy as np
+
+    from vllm_tpu_lora.lora.punica import PunicaWrapper
+    from vllm_tpu_lora.runner.lazy_capture import LazyGraphCapture
+
+    dev = platform.xla_device()
+    layers = _packed_layers(args.dim, args.inter, args.kv, args.rank, max(args.slots), dev)
+    rows = []
+    for t in args.tokens:
+        for s in args.slots:
+            rng = np.random.default_rng(t * 31 + s)
+            pos = rng.integers(-1, s, size=t).astype(np.int32)  # some base-model tokens
+            x = {d: torch.randn(t, d).to(dev) for d in {lay[0] for lay in layers}}
+            variants = {"base_only": (None, None)}
+            variants.update({"single": ("single", None)} if s == 1 else {})
+            variants.update({"onehot": ("onehot", None)})
+            variants.update({f"grouped_b{b}": ("grouped", b) for b in (1, 2, 4, 8, 16)})
+            times = {}
+            for name, (strategy, block) in variants.items():
+                punica = PunicaWrapper("xla", fuse_slices=True)
+                punica.force_strategy, punica.force_block = strategy, block
+                plan = punica.plan_step(pos, list(range(s)), s, torch.float32) if strategy else {}
+                step = {k: torch.from_numpy(v).to(dev) for k, v in plan.items()}
+
+                def graph(xs, step, bufs, punica=punica, strategy=strategy, s=s):
+                    punica.set_step(s, step)
+                    total = []
+                    for _ in range(args.layers):
+                        for d, outs, a, b, w in layers:
+                            y = xs[d] @ w
+                            if strategy is not None:
+                                y = punica.add_lora_linear(y, xs[d], a, b, outs)
+                            total.append(y.sum())
+                    return torch.stack(total).sum()
+
+                run = LazyGraphCapture().compile(graph)
+                bufs = [t_ for lay in layers for t_ in lay[2] + lay[3]]
+                _materialize(run(x, step, bufs))
+                samples = []
+                for _ in range(args.iters):
+                    t0 = time.perf_counter()
+                    _materialize(run(x, step, bufs))
+                    samples.append(1e3 * (time.perf_counter() - t0))
+                times[name] = statistics.median(samples)
+            base = times.pop("base_only")
+            row = {"name": "packed_lora_linears", "T": t, "S": s, "R": args.rank,
+                   "dim": args.dim, "inter": args.inter, "layers": args.layers,
+                   "base_ms": base}
+            row.update({f"{k}_lora_ms": v - base for k, v in times.items()})
+            row["best"] = min(times, key=times.get)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if "--packed" in sys.argv:
+        packed_main(sys.argv[1:])
+    else:
+        main()

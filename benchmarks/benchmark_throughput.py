@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import torch
+from step_timing import timed
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -82,15 +83,14 @@ def run_engine(model_dir: str, work, args) -> dict:
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    row = timed(llm, lambda: llm.generate(prompts, params, use_tqdm=False))
+    outs, elapsed = row.pop("_result"), row["elapsed_s"]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.llm_engine.stats()
     return {"name": "vllm_tpu_lora", "requests_per_s": len(work) / elapsed,
-            "output_tokens_per_s": n_out / elapsed, "elapsed_s": elapsed,
+            "output_tokens_per_s": n_out / elapsed, **row,
             "startup_s": startup, "warmup_s": stats["warmup_seconds"],
-            "num_graphs": stats["num_graphs"], "steps": stats["num_steps"],
+            "num_graphs": stats["num_graphs"],
             "compilations_after_warmup": stats["compilations_after_warmup"],
             "output_tokens": n_out, "outputs": [o.outputs[0].token_ids for o in outs]}
 

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_lora import make_adapters  # noqa: E402
 from benchmark_throughput import add_model_args, apply_small, make_model, make_workload  # noqa: E402
+from step_timing import timed  # noqa: E402
 
 PEFT_BASE = "__base__"
 
@@ -52,13 +53,12 @@ def run_engine(model_dir, paths, work, args) -> tuple[dict, list]:
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.prompt_len[1] + args.output_len[1])
     reqs = [LoRARequest(f"lora{i}", i + 1, p) for i, p in enumerate(paths)]
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in work],
-                        [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work],
-                        lora_request=[reqs[i % n] for i in range(len(work))], use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    tokens = [o.outputs[0].token_ids for o in outs]
-    return {"output_tokens_per_s": sum(map(len, tokens)) / elapsed, "elapsed_s": elapsed,
+    row = timed(llm, lambda: llm.generate(
+        [{"prompt_token_ids": p} for p, _ in work],
+        [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work],
+        lora_request=[reqs[i % n] for i in range(len(work))], use_tqdm=False))
+    tokens = [o.outputs[0].token_ids for o in row.pop("_result")]
+    return {"output_tokens_per_s": sum(map(len, tokens)) / row["elapsed_s"], **row,
             "compilations_after_warmup": llm.llm_engine.stats()["compilations_after_warmup"]}, tokens
 
 

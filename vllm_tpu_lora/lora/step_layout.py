@@ -27,17 +27,20 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 #   T=16:  S=2 onehot 0.42 | grouped B=16 0.51;  S=8 onehot 1.32 | grouped B=1 0.78
 #   T=64:  S=4 onehot 0.63 | grouped B=16 0.80;  S=8 onehot 1.70 | grouped B=16 2.01
 #   T=256: S=4 onehot 2.08 | grouped B=16 3.05;  S=8 onehot 6.05 | grouped B=16 4.38
+# and at hidden 1024 / intermediate 2816, S=16 (2 layers):
+#   T=32: onehot 7.5 | grouped B=16 7.9;  T=64: 9.1 | 7.5;  T=512: 51.2 | 48.0  (base 8-77)
 # Grouped matmul with blocks under 8 rows runs XLA CPU's batched matmul badly (B=1 at
-# T=256: 66 ms), so the one-hot product over the step's S adapters wins except for the
-# largest buckets with many adapters, where its S-fold FLOPs dominate.
-GROUPED_MIN_TOKENS, GROUPED_MIN_SLOTS, GROUPED_BLOCK = 256, 8, 16
+# T=256: 66 ms), so the one-hot product over the step's S adapters wins except for large
+# buckets with many adapters, where its S-fold FLOPs dominate.
+GROUPED_BLOCK = 16
+GROUPED_FROM = ((8, 256), (16, 64))  # (min S, min T) pairs where grouped wins
 
 
 def xla_strategy(num_tokens: int, num_slots: int) -> str:
     """The xla backend's LoRA strategy for graph (T, S): "single", "onehot" or "grouped"."""
     if num_slots == 1:
         return "single"
-    if num_tokens >= GROUPED_MIN_TOKENS and num_slots >= GROUPED_MIN_SLOTS:
+    if any(num_slots >= s and num_tokens >= t for s, t in GROUPED_FROM):
         return "grouped"
     return "onehot"
 
