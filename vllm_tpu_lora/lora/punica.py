@@ -51,18 +51,19 @@ class PunicaWrapper:
         position in `active_slots` (-1: base model or padding)."""
         if num_slots == 0:
             return {}
+        strategy = self.xla_strategy(token_pos.shape[0], num_slots) if self.fuse_slices else None
+        if strategy == "single":  # each strategy uploads only the arrays its graph reads
+            return step_layout.single_slot_layout(token_pos, active_slots)
+        if strategy == "grouped":
+            return step_layout.segment_layout(token_pos, active_slots, num_slots,
+                                              self.token_block(dtype))
         active = np.zeros(num_slots, np.int32)
         active[: len(active_slots)] = active_slots
         arrays = {"token_lora_idx": token_pos.astype(np.int32), "active_slots": active}
-        if not self.fuse_slices:
-            return arrays
-        strategy = self.xla_strategy(token_pos.shape[0], num_slots)
-        if strategy == "single":
-            arrays.update(step_layout.single_slot_layout(token_pos, active_slots))
-        elif strategy == "grouped" or self.backend == "pallas":
-            block = self.token_block(token_pos.shape[0], num_slots, dtype)
-            arrays.update(step_layout.segment_layout(token_pos, active_slots, num_slots, block))
-        return arrays
+        if self.fuse_slices and self.backend == "pallas":
+            arrays.update(step_layout.segment_layout(token_pos, active_slots, num_slots,
+                                                     self.token_block(dtype)))
+        return arrays  # one-hot, Pallas (its SegmentLayout carries idx), tensor parallel
 
     def xla_strategy(self, num_tokens: int, num_slots: int) -> str | None:
         """xla backend, per graph (T, S): "single" (S = 1), "onehot" or "grouped"."""
@@ -72,12 +73,14 @@ class PunicaWrapper:
             return self.force_strategy
         return step_layout.xla_strategy(num_tokens, num_slots)
 
-    def token_block(self, num_tokens: int, num_slots: int, dtype: torch.dtype) -> int:
+    def token_block(self, dtype: torch.dtype) -> int:
+        """Token block B of the segment layout: the Pallas kernels' tile, or the xla grouped
+        matmul's measured block."""
         if self.backend == "pallas":
             return token_block(dtype, "pallas")
         if self.force_block is not None:
             return self.force_block
-        return step_layout.xla_token_block(num_tokens, num_slots)
+        return step_layout.GROUPED_BLOCK
 
     def set_step(self, num_active_slots: int, tensors: dict[str, torch.Tensor]) -> None:
         self.num_active_slots = num_active_slots

@@ -32,7 +32,7 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # Grouped matmul with blocks under 8 rows runs XLA CPU's batched matmul badly (B=1 at
 # T=256: 66 ms), so the one-hot product over the step's S adapters wins except for large
 # buckets with many adapters, where its S-fold FLOPs dominate.
-GROUPED_BLOCK = 16
+GROUPED_BLOCK = 16  # token block B of the xla grouped matmul
 GROUPED_FROM = ((8, 256), (16, 64))  # (min S, min T) pairs where grouped wins
 
 
@@ -43,11 +43,6 @@ def xla_strategy(num_tokens: int, num_slots: int) -> str:
     if any(num_slots >= s and num_tokens >= t for s, t in GROUPED_FROM):
         return "grouped"
     return "onehot"
-
-
-def xla_token_block(num_tokens: int, num_slots: int) -> int:
-    """Token block B of the xla backend's grouped matmul (see the table above)."""
-    return GROUPED_BLOCK
 
 
 def segment_layout(token_pos: np.ndarray, active_slots: list[int], num_slots: int,
