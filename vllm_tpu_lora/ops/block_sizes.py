@@ -24,12 +24,15 @@ TOKEN_BLOCK: dict[tuple[str, str], int] = {
     ("pallas", "bfloat16"): 16,
     ("xla", "float32"): 16,
     ("xla", "bfloat16"): 16,
+    # float16 packs like bfloat16 (two rows per sublane); on XLA CPU it runs as bf16 does.
+    ("pallas", "float16"): 16,
+    ("xla", "float16"): 16,
 }
 
 # Largest feature tile (lanes) per dtype: a [R_max=64, tile] adapter block plus a
 # [B, tile] activation block, double-buffered, stays far below the 16 MiB default
 # scoped VMEM of v5e/v6e for every model width the runner uses (<= 8192).
-MAX_FEATURE_TILE: dict[str, int] = {"float32": 4096, "bfloat16": 8192}
+MAX_FEATURE_TILE: dict[str, int] = {"float32": 4096, "bfloat16": 8192, "float16": 8192}
 
 
 class KernelBlocks(NamedTuple):
