@@ -228,7 +228,7 @@ def packed_rows(args) -> list[dict]:
             x = {d: torch.randn(t, d).to(dev) for d in {lay[0] for lay in layers}}
             variants = {"base_only": (None, None)}
             variants.update({"single": ("single", None)} if s == 1 else {})
-            variants.update({"onehot": ("onehot", None)})
+            variants.update({"onehot": ("onehot", None), "gathered": ("gathered", None)})
             variants.update({f"grouped_b{b}": ("grouped", b) for b in (1, 2, 4, 8, 16)})
             times = {}
             for name, (strategy, block) in variants.items():

@@ -57,6 +57,8 @@ class PunicaWrapper:
         if strategy == "grouped":
             return step_layout.segment_layout(token_pos, active_slots, num_slots,
                                               self.token_block(dtype))
+        if strategy == "gathered":
+            return step_layout.token_slot_layout(token_pos, active_slots)
         active = np.zeros(num_slots, np.int32)
         active[: len(active_slots)] = active_slots
         arrays = {"token_lora_idx": token_pos.astype(np.int32), "active_slots": active}
@@ -111,6 +113,8 @@ class PunicaWrapper:
             return self._single_slot_linear(y, x, lora_a, lora_b)
         if strategy == "onehot":
             return self._onehot_linear(y, x, lora_a, lora_b)
+        if strategy == "gathered":
+            return self._gathered_linear(y, x, lora_a, lora_b)
         return self._grouped_linear(y, x, lora_a, lora_b)
 
     def _add_masked(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -144,6 +148,18 @@ class PunicaWrapper:
             xi = xa[:, :, i * rank:(i + 1) * rank].reshape(t, s * rank)
             deltas.append(xi @ b.permute(0, 2, 1).reshape(s * rank, b.shape[1]))
         return y + torch.cat(deltas, dim=1).to(y.dtype)
+
+    def _gathered_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
+        """bgmv: each token's own adapter weights gathered by its device slot, then one
+        matrix-vector product per token. FLOPs T*R*(D+O) whatever S is, for a gather of
+        T*R*(D+O) weights: what wins for small buckets with many adapters."""
+        slot, rank = self.step["token_slot"], lora_a[0].shape[1]
+        a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=1).to(x.dtype)
+        xa = torch.bmm(a, x[:, :, None])  # [T, n*R, 1]
+        deltas = [torch.bmm(lb.index_select(0, slot).to(x.dtype),
+                            xa[:, i * rank:(i + 1) * rank])[:, :, 0]
+                  for i, lb in enumerate(lora_b)]
+        return self._add_masked(y, torch.cat(deltas, dim=1))
 
     def _grouped_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
         perm, block_slot = self.step["perm"], self.step["block_slot"]

@@ -32,14 +32,24 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # Grouped matmul with blocks under 8 rows runs XLA CPU's batched matmul badly (B=1 at
 # T=256: 66 ms), so the one-hot product over the step's S adapters wins except for large
 # buckets with many adapters, where its S-fold FLOPs dominate.
+# At S=16 (same 512/1408 layer, 4 layers, LoRA ms over the base; gathered = per-token
+# weight gather + batched matrix-vector, the bgmv of punica/S-LoRA):
+#   T=16: onehot 3.40 | gathered 0.83;  T=32: onehot 4.21 | gathered 2.01
+#   T=64: onehot 5.25 | gathered 15.1 | grouped B=16 4.16;  T=256: 12.6 | 62.1 | 6.6
+# XLA CPU runs the batched matrix-vector well only up to ~32 rows, so gathered wins only
+# at decode-sized buckets, where the one-hot's S-fold FLOPs hurt most.
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul
 GROUPED_FROM = ((8, 256), (16, 64))  # (min S, min T) pairs where grouped wins
+GATHERED_UP_TO = ((16, 32),)  # (min S, max T) pairs where gathered wins
 
 
 def xla_strategy(num_tokens: int, num_slots: int) -> str:
-    """The xla backend's LoRA strategy for graph (T, S): "single", "onehot" or "grouped"."""
+    """The xla backend's LoRA strategy for graph (T, S): "single", "gathered", "onehot" or
+    "grouped"."""
     if num_slots == 1:
         return "single"
+    if any(num_slots >= s and num_tokens <= t for s, t in GATHERED_UP_TO):
+        return "gathered"
     if any(num_slots >= s and num_tokens >= t for s, t in GROUPED_FROM):
         return "grouped"
     return "onehot"
@@ -74,3 +84,11 @@ def single_slot_layout(token_pos: np.ndarray, active_slots: list[int]) -> dict[s
     """S = 1: every LoRA token uses the same adapter; no reordering at all."""
     slot = np.array(active_slots[:1] or [0], np.int32)
     return {"slot": slot, "token_valid": token_pos >= 0}
+
+
+def token_slot_layout(token_pos: np.ndarray, active_slots: list[int]) -> dict[str, np.ndarray]:
+    """The gathered strategy: each token's DEVICE slot (0 for tokens without an adapter,
+    whose delta is masked out by token_valid)."""
+    slots = np.asarray(list(active_slots) + [0], np.int32)
+    return {"token_slot": slots[np.where(token_pos >= 0, token_pos, len(active_slots))],
+            "token_valid": token_pos >= 0}
