@@ -13,6 +13,7 @@ run in interleaved rounds (--rounds, default 3); each row is its best round.
     python benchmarks/benchmark_lora.py                 # xla backend, full size
     python benchmarks/benchmark_lora.py --small         # smoke run
     python benchmarks/benchmark_lora.py --backends xla pallas
+    python benchmarks/benchmark_lora.py --many-adapters --rounds 1   # 1,000 adapters
 """
 
 from __future__ import annotations
@@ -40,12 +41,17 @@ def parse_args() -> argparse.Namespace:
                    help="interleaved rounds per configuration; each row is its best")
     p.add_argument("--enforce-eager", action="store_true",
                    help="also run every row with lazy re-tracing (no graph replay)")
+    p.add_argument("--many-adapters", action="store_true",
+                   help="instead: --num-requests (default 1000) requests each with its own "
+                        "adapter vs the same requests over 8 adapters (see many_adapters.py)")
     p.set_defaults(num_requests=48, hidden=512, intermediate=1408, layers=4, heads=8,
                    kv_heads=4, prompt_len=[16, 64], output_len=[32, 32], max_num_seqs=16,
                    max_num_batched_tokens=256)
     args = apply_small(p.parse_args())
     if args.small:
         args.rank, args.max_loras, args.num_adapters = 8, 2, [1, 2]
+    if args.many_adapters and "--num-requests" not in sys.argv:
+        args.num_requests = 24 if args.small else 1000
     return args
 
 
@@ -144,6 +150,12 @@ def main() -> None:
     work = make_workload(args)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(args, os.path.join(tmp, "model"))
+        if args.many_adapters:
+            from many_adapters import run
+
+            for row in run(args, model_dir, tmp, timed_generate, engine):
+                print(json.dumps(row), flush=True)
+            return
         paths = make_adapters(model_dir, tmp, max(args.num_adapters), args.rank)
         for eager in [False, True] if args.enforce_eager else [False]:
             for row in mode_rows(model_dir, paths, work, args, eager):

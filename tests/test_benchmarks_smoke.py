@@ -16,3 +16,23 @@ def test_benchmark_vs_peft_small_runs_and_outputs_agree():
     engines = [r for r in rows if r["name"] == "vllm_tpu_lora"]
     assert all(r["compilations_after_warmup"] == 0 for r in engines)
     assert all(r["output_tokens_per_s"] > 0 for r in rows if "output_tokens_per_s" in r)
+
+
+def test_benchmark_lora_many_adapters_small_runs():
+    """--many-adapters at smoke size: every request's adapter is read during the run, the
+    rows carry the ratio and cold start, and nothing compiles after warm-up."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "benchmark_lora.py")
+    out = subprocess.run([sys.executable, script, "--many-adapters", "--small", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = {r["name"]: r for r in map(json.loads, out.splitlines())}
+    many = rows["many_adapters:24_distinct_adapters"]
+    assert many["adapter_reads"] == 24 and many["slot_writes"] >= 24
+    assert rows["many_adapters:8_adapters"]["adapter_reads"] <= 8
+    assert many["relative_to_8_adapters"] > 0
+    assert rows["adapter_cold_start"]["ttft_ms_median"] > 0
+    assert rows["compilations_after_warmup"]["count"] == 0

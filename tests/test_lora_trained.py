@@ -63,7 +63,9 @@ def test_hot_swapping_through_one_slot(llama_dir, trained):
         assert _answers(llm, [req]) == [ANSWERS[name]]
     order = ["west", "north", "west", "east", "south", "north"]  # one batch, one slot
     assert _answers(llm, [trained[n] for n in order]) == [ANSWERS[n] for n in order]
-    assert llm.llm_engine.lora_manager.num_slot_loads >= 8
+    # 4 adapters one at a time, then 4 distinct in one batch through the one slot (the
+    # batch's first may still be in it; admission groups the repeats, so no more are due).
+    assert llm.llm_engine.lora_manager.num_slot_loads >= 4 + 3
     assert llm.llm_engine.stats()["compilations_after_warmup"] == 0
 
 

@@ -53,6 +53,9 @@ class LLM:
         return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request finished. A request that failed on its own (its adapter
+        could not be read once queued) does not stop the others; the ValueError naming it is
+        raised once they are done."""
         engine, done = self.llm_engine, {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
@@ -66,6 +69,9 @@ class LLM:
             raise
         finally:
             bar.close()
+        errors = [done[i].error for i in ids if done[i].error is not None]
+        if errors:
+            raise errors[0]
         return [done[i] for i in ids]
 
 

@@ -41,3 +41,6 @@ class RequestOutput:
     finished: bool
     lora_request: Any = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Not vLLM's: set (finished, outputs aborted) when the request failed on its own, e.g. its
+    # adapter could not be read after it was queued. Everything else in flight goes on.
+    error: Exception | None = field(default=None, repr=False)

@@ -199,8 +199,9 @@ class AsyncLLMEngine:
 
     # ---- adapters (event loop) ----
 
-    async def add_lora(self, lora_request: Any) -> bool:
-        return await self._call(lambda e: engine_method(e, "add_lora")(lora_request))
+    async def add_lora(self, lora_request: Any, load_inplace: bool = False) -> bool:
+        return await self._call(lambda e: engine_method(e, "add_lora")(
+            lora_request, load_inplace=load_inplace))
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Free the adapter; if running requests still use it, it is freed once they end."""
@@ -226,7 +227,9 @@ class AsyncLLMEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
+            if stream is not None and out.error is not None:
+                stream.fail(out.error)  # failed on its own (e.g. its adapter): an error
+            elif stream is not None:
                 stream.put(out)
             if out.finished:
                 self._streams.pop(out.request_id, None)

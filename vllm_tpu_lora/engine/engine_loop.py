@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ SHUTDOWN = object()
 # Wait this long for commands when requests exist but nothing could be scheduled, instead of
 # spinning on step() (e.g. every waiting request needs blocks that running ones hold).
 _IDLE_POLL_S = 0.005
+_ADAPTER_STATS_S = 0.25
 
 
 class EngineStepError(RuntimeError):
@@ -42,6 +44,7 @@ class EngineLoop:
         self._live: set[str] = set()  # request ids the engine holds
         self._pending_removals: set[int] = set()
         self._step_failures = 0
+        self._adapter_stats_at = 0.0
 
     def submit(self, fn: Callable[[Any], Any], fut=None) -> None:
         self.commands.put((fn, fut))
@@ -165,7 +168,16 @@ class EngineLoop:
                 self._pending_removals.discard(lora_id)
 
     def publish_stats(self, engine) -> None:
-        stats = dict(engine.stats())
+        # Per-adapter stats cost O(known adapters): refreshed every _ADAPTER_STATS_S while
+        # busy, and whenever the engine goes idle (so a finished workload reads exact ones).
+        now = time.monotonic()
+        fresh = (now - self._adapter_stats_at >= _ADAPTER_STATS_S
+                 or not engine.has_unfinished_requests())
+        stats = dict(engine.stats(per_adapter=fresh))
+        if fresh:
+            self._adapter_stats_at = now
+        else:
+            stats["loras"] = self.stats.get("loras", {})
         stats["num_unfinished_requests"] = engine.get_num_unfinished_requests()
         stats["num_pending_lora_removals"] = len(self._pending_removals)
         self.stats = stats  # one reference swap: readers on the loop see old or new

@@ -31,6 +31,8 @@ from vllm_tpu_lora.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
+# How long an idle step waits for a background adapter read before returning.
+_LOAD_WAIT_S = 0.005
 
 
 class LLMEngine:
@@ -52,9 +54,9 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(num_layers, slot_elems, dtype.itemsize)
         self.block_manager = BlockManager(num_blocks, cc.block_size)
         lc = config.lora_config
-        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   max_loras=lc.max_loras if lc else None)
         self.lora_manager, punica = self._setup_lora(model, dtype) if lc else (None, None)
+        self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
+                                   loras=self.lora_manager)
         self.runner = ModelRunner(
             model, num_layers=num_layers, kv_cache_shapes=model.kv_cache_shapes(num_blocks * cc.block_size),
             kv_dtype=dtype, block_size=cc.block_size, max_model_len=self.max_model_len,
@@ -80,7 +82,8 @@ class LLMEngine:
                                   lc.target_modules)
         manager = LoRAManager(model, layers, max_loras=lc.max_loras,
                               max_lora_rank=lc.max_lora_rank, max_cpu_loras=lc.max_cpu_loras,
-                              dtype=lora_dtype, target_modules=lc.target_modules)
+                              dtype=lora_dtype, target_modules=lc.target_modules,
+                              one_transfer=self.tp is None)
         return manager, punica
 
     @classmethod
@@ -162,7 +165,8 @@ class LLMEngine:
             raise ValueError("LoRA is not enabled. Use --enable-lora to enable LoRA.")
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        self.lora_manager.add_lora(lora_request)
+        # Validates the files (not the tensor data); the host copy is read in the background.
+        self.lora_manager.register(lora_request)
 
     # ---- adapters (vLLM's LLMEngine names) ----
 
@@ -171,8 +175,16 @@ class LLMEngine:
             raise ValueError("LoRA is not enabled. Use --enable-lora to enable LoRA.")
         return self.lora_manager
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        return self._require_lora().add_lora(lora_request)
+    def add_lora(self, lora_request: LoRARequest, *, load_inplace: bool = False) -> bool:
+        """Read and validate an adapter into the host cache now (False: it already was).
+        load_inplace: replace the weights of the adapter with this id; sequences admitted
+        from now on use the new ones, running ones finish on the old ones (no step mixes
+        them)."""
+        manager = self._require_lora()
+        if load_inplace:
+            manager.load_inplace(lora_request)
+            return True
+        return manager.add_lora(lora_request)
 
     def lora_users(self, lora_id: int) -> int:
         """Unfinished sequences that use adapter `lora_id`."""
@@ -193,9 +205,7 @@ class LLMEngine:
         return self._require_lora().list_loras()
 
     def pin_lora(self, lora_id: int) -> bool:
-        pinned = self._require_lora().pin_lora(lora_id)
-        self.scheduler.pinned_loras = set(self.lora_manager.pinned)
-        return pinned
+        return self._require_lora().pin_lora(lora_id)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -219,9 +229,12 @@ class LLMEngine:
     # ---- the loop ----
 
     def step(self) -> list[RequestOutput]:
+        failed = self._advance_lora_loads() if self.lora_manager is not None else []
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return []
+            if self.lora_manager is not None and self.scheduler.waiting:
+                self.lora_manager.registry.wait_for_loads(_LOAD_WAIT_S)  # don't spin on the GIL
+            return failed
         want_lp = any(s.seq.params.logprobs is not None for s in out.scheduled)
         result = self.runner.execute(out.scheduled, want_lp)
         self.scheduler.update(out)
@@ -242,10 +255,42 @@ class LLMEngine:
         for o in outputs:
             if o.finished:
                 del self._requests[o.request_id]
+        return failed + outputs
+
+    def _advance_lora_loads(self) -> list[RequestOutput]:
+        """Harvest background adapter reads; fail the requests of adapters that could not be
+        read (finished outputs carrying the error); start reads for the waiting queue."""
+        failures = self.lora_manager.registry.poll()
+        outputs = []
+        if failures:
+            for state in list(self._requests.values()):
+                error = failures.get(state.lora_request.lora_int_id if state.lora_request else 0)
+                if error is None or any(s.status is SequenceStatus.RUNNING for s in state.seqs):
+                    continue
+                logger.warning("request %s failed: %s", state.request_id, error)
+                for seq in state.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                out = make_request_output(state)
+                out.error = error
+                outputs.append(out)
+                del self._requests[state.request_id]
+        self.lora_manager.registry.prefetch(self.scheduler.waiting_lora_order())
         return outputs
 
-    def stats(self) -> dict[str, Any]:
-        return {
+    def stats(self, per_adapter: bool = True) -> dict[str, Any]:
+        """Engine counters; per_adapter adds "loras": {name: loads, evictions, residency,
+        running/waiting sequences} (cost grows with the number of known adapters)."""
+        lm = self.lora_manager
+        extra: dict[str, Any] = {}
+        if lm is not None:
+            extra = {"max_loras": lm.max_loras, "lora_host_loads": lm.num_host_loads,
+                     "lora_host_cache_size": len(lm.list_loras()),
+                     "lora_requests_waiting_for_adapter": sum(
+                         1 for s in self.scheduler.waiting if s.lora_int_id)}
+            if per_adapter:
+                extra["loras"] = lm.adapter_stats(self.scheduler.waiting_per_lora())
+        return {**extra,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_free_kv_blocks": self.block_manager.num_free_blocks,

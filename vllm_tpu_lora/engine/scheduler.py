@@ -3,9 +3,16 @@
 Each step first gives every running sequence its next tokens (1 for a decode, the
 next chunk for a partial prefill), preempting the newest sequences by recompute when
 KV blocks run out, then admits waiting sequences FCFS while budget, `max_num_seqs`
-and blocks allow. At most `max_loras` distinct adapters are running at once; a
-request for another adapter waits, and cannot starve: once the oldest waiting request
-has been passed over `STARVATION_STEPS` times nothing else is admitted before it.
+and blocks allow.
+
+Adapters: at most `max_loras` distinct adapters (pinned ones included) are running at
+once; a request for another adapter waits, and cannot starve: once a request has been
+passed over for want of a slot `STARVATION_STEPS` steps in a row, nothing else is admitted
+before it. With a LoRA manager (`loras`), a sequence is admitted only when its adapter's
+host copy is in memory (the manager's loader reads it in the background: a step never
+touches the disk); it takes a reference on admission and drops it when it finishes, and
+the manager never evicts an adapter a running sequence uses. A request waiting for its
+adapter to load does not hold up the queue behind it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from vllm_tpu_lora.engine.block_manager import BlockManager
 from vllm_tpu_lora.engine.sequence import Sequence, SequenceStatus
 
 STARVATION_STEPS = 8
+# Waiting sequences passed over per step before admission stops looking further: keeps a
+# step's scheduling cost bounded with thousands queued behind adapters still loading.
+MAX_SKIPPED_PER_STEP = 512
 
 
 @dataclass
@@ -47,17 +57,20 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_loras: int | None = None) -> None:
+                 max_num_batched_tokens: int, max_loras: int | None = None,
+                 loras=None) -> None:
+        """loras: the LoRAManager (ready/acquire/release/set_running/pinned), or None for
+        a plain cap of `max_loras` adapters."""
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_loras = max_loras
+        self.loras = loras
+        self.max_loras = loras.max_loras if loras is not None else max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._head_skips = 0
         self.num_preemptions = 0
-        # Pinned adapters hold device slots for good, so they count against max_loras.
-        self.pinned_loras: set[int] = set()
+        self._holds_ref: set[int] = set()  # seq_ids holding an adapter reference
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -66,7 +79,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def running_lora_ids(self) -> set[int]:
-        return {s.lora_int_id for s in self.running if s.lora_int_id} | self.pinned_loras
+        """Adapters holding device slots: those of running sequences, and pinned ones."""
+        pinned = self.loras.pinned if self.loras is not None else set()
+        return {s.lora_int_id for s in self.running if s.lora_int_id} | pinned
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -94,12 +109,17 @@ class Scheduler:
         return budget
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._set_running(seq, -1)  # keeps its reference: it resumes on the same weights
         self.blocks.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.num_preemptions += 1
+
+    def _lora_ready(self, seq: Sequence) -> bool:
+        return (self.loras is None or not seq.lora_int_id or seq.seq_id in self._holds_ref
+                or self.loras.ready(seq.lora_int_id))
 
     def _lora_admissible(self, seq: Sequence, lora_ids: set[int]) -> bool:
         if self.max_loras is None or not seq.lora_int_id or seq.lora_int_id in lora_ids:
@@ -109,11 +129,17 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         lora_ids = self.running_lora_ids()
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        starved = False  # a sequence was passed over for want of an adapter slot
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(skipped) < MAX_SKIPPED_PER_STEP):
             seq = self.waiting[0]
+            if not self._lora_ready(seq):  # its adapter is still loading: not its turn yet
+                skipped.append(self.waiting.popleft())
+                continue
             if not self._lora_admissible(seq, lora_ids):
-                if not skipped and self._head_skips >= STARVATION_STEPS:
-                    break  # let the running adapters drain so the head gets a slot
+                if not starved and self._head_skips >= STARVATION_STEPS:
+                    break  # let the running adapters drain so this one gets a slot
+                starved = True
                 skipped.append(self.waiting.popleft())
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -125,10 +151,39 @@ class Scheduler:
             self.running.append(seq)
             if seq.lora_int_id:
                 lora_ids.add(seq.lora_int_id)
+                self._take_ref(seq)
+                self._set_running(seq, +1)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
-        self._head_skips = self._head_skips + 1 if skipped else 0
+        self._head_skips = self._head_skips + 1 if starved else 0
         self.waiting.extendleft(reversed(skipped))
+
+    # ---- adapter references ----
+
+    def _take_ref(self, seq: Sequence) -> None:
+        if self.loras is not None and seq.seq_id not in self._holds_ref:
+            self.loras.acquire(seq.lora_int_id)
+            self._holds_ref.add(seq.seq_id)
+
+    def _set_running(self, seq: Sequence, delta: int) -> None:
+        if self.loras is not None and seq.lora_int_id:
+            self.loras.set_running(seq.lora_int_id, delta)
+
+    def waiting_per_lora(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for seq in self.waiting:
+            if seq.lora_int_id:
+                counts[seq.lora_int_id] = counts.get(seq.lora_int_id, 0) + 1
+        return counts
+
+    def waiting_lora_order(self):
+        """Adapter ids of the waiting queue, head first, each once (for prefetching)."""
+        seen: set[int] = set()
+        for seq in self.waiting:
+            lid = seq.lora_int_id
+            if lid and lid not in seen and seq.seq_id not in self._holds_ref:
+                seen.add(lid)
+                yield lid
 
     def update(self, out: SchedulerOutput) -> None:
         """Account the computed tokens of a step that has run."""
@@ -140,6 +195,10 @@ class Scheduler:
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
+            self._set_running(seq, -1)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        if seq.seq_id in self._holds_ref:
+            self._holds_ref.discard(seq.seq_id)
+            self.loras.release(seq.lora_int_id)

@@ -1,141 +1,177 @@
-"""LoRAManager: `max_loras` device slots in stacked buffers, an LRU host cache behind them.
+"""LoRAManager: `max_loras` device slots in stacked buffers, the adapter registry behind them.
 
-- Host cache (`max_cpu_loras` adapters, LRU): parsed, validated PEFT adapters.
-- Device slots (`max_loras`): which adapter's weights sit in each slot of every LoRA
-  layer's buffers. `activate()` makes sure the adapters of one step are in slots,
-  evicting the least recently used unpinned slot that the step does not need.
-- A slot write is a data update: every buffer gets `index_copy_` at a slot index held in a
-  device tensor, all in one graph that is compiled once (at warm-up) for every slot.
+- Registry (`registry.AdapterRegistry`): known adapters, host copies (read off the step,
+  in a background thread), references held by admitted sequences, pins, reloads.
+- Device slots: which adapter's weights sit in each slot of every LoRA layer's buffers.
+  `activate()` puts the adapters of one step into slots, evicting the least recently used
+  slot whose adapter no running sequence uses and that is not pinned.
+- A host copy is prepared once, in the loader thread: every buffer's slot image (padded to
+  max_lora_rank, scale folded into B, in lora_dtype) concatenated into one flat tensor. A
+  slot write is then one host->device transfer plus one graph of `index_copy_`s at a slot
+  index held in a device tensor: compiled once at warm-up, the same for every adapter.
+- Pins (vLLM's pin_lora): a pinned adapter keeps its host copy and its device slot for
+  good. One slot always stays unpinned, so every other adapter can still run.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vllm_tpu_lora import platform
 from vllm_tpu_lora.lora.layers import LoRALinear
 from vllm_tpu_lora.lora.peft_loader import LoRAModel, LoRASliceWeights, load_peft_adapter
+from vllm_tpu_lora.lora.registry import AdapterRegistry
 from vllm_tpu_lora.lora.request import LoRARequest
+
+
+@dataclass
+class HostAdapter:
+    """An adapter's slot image: one flat host tensor holding every buffer's slot, in order."""
+    name: str
+    flat: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
 
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, layers: dict[str, LoRALinear], *, max_loras: int,
                  max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype,
-                 target_modules=None) -> None:
+                 target_modules=None, one_transfer: bool = True) -> None:
+        """one_transfer: write a slot from one flat host tensor. Off under tensor
+        parallelism, where slicing a replicated flat tensor into sharded buffers made XLA
+        add collective-permutes to the slot write: there each buffer's slot image is sent
+        alone, already shaped like the buffer."""
         self.model = model
         self.target_modules = target_modules
         self.layers = layers
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype = dtype
-        self._cache: OrderedDict[int, LoRAModel] = OrderedDict()  # host LRU, newest last
-        self._requests: dict[int, LoRARequest] = {}
+        self.one_transfer = one_transfer
+        self._shapes = [tuple(buf.shape[1:]) for buf in self._buffers]
+        # (module, slice, A slot shape, B slot shape) in that order: read by the loader
+        # thread, which must not touch the device buffers themselves.
+        self._layout = [(name, i, tuple(a.shape[1:]), tuple(b.shape[1:]))
+                        for name, layer in layers.items()
+                        for i, (a, b) in enumerate(zip(layer.lora_a, layer.lora_b))]
+        self.registry = AdapterRegistry(max_cpu_loras=max_cpu_loras, validate=self._validate,
+                                        load=self._load_host, on_weights_changed=self._free_slot_of)
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id per device slot
         self._slot_used_at = [0] * max_loras
         self._clock = 0
-        self.pinned: set[int] = set()
         self.num_slot_loads = 0  # adapters written into a device slot
-        self.num_host_loads = 0  # adapters read from disk into the host cache
+        self._slot_index: list[torch.Tensor] | None = None
+        self._write_graph = _write_slot_images  # replaced by a captured graph (use_capture)
 
-    # ---- host cache ----
+    def use_capture(self, capture) -> None:
+        """Replay slot writes as a captured graph (the runner's LazyGraphCapture): a write
+        then runs no tracing, only the transfer and one cached executable."""
+        self._write_graph = capture.compile(_write_slot_images)
+
+    @property
+    def _buffers(self) -> list[torch.Tensor]:
+        """Every slot buffer, in the order slot images are laid out in. Looked up each time:
+        the runner moves (and may shard) the model after this manager is built."""
+        return [buf for layer in self.layers.values()
+                for pair in zip(layer.lora_a, layer.lora_b) for buf in pair]
+
+    # ---- adapters (vLLM's LoRA manager verbs) ----
 
     def add_lora(self, request: LoRARequest) -> bool:
-        """Load (or refresh) an adapter in the host cache. False if it was already there."""
-        if request.lora_int_id in self._cache:
-            self._cache.move_to_end(request.lora_int_id)
-            return False
-        # float32 on the host: the scale is folded into B before the cast to self.dtype.
-        lora = load_peft_adapter(request, self.model, max_lora_rank=self.max_rank,
-                                 dtype=torch.float32, target_modules=self.target_modules)
-        self.num_host_loads += 1
-        self._make_room_in_cache()
-        self._cache[request.lora_int_id] = lora
-        self._requests[request.lora_int_id] = request
-        return True
+        """Read and validate the adapter into the host cache now. False if already there."""
+        return self.registry.load_now(request)
 
-    def _make_room_in_cache(self) -> None:
-        while len(self._cache) >= self.max_cpu_loras:
-            victim = next((i for i in self._cache if i not in self.pinned), None)
-            if victim is None:
-                raise ValueError(f"All {self.max_cpu_loras} cached LoRAs are pinned; "
-                                 "cannot load another (raise max_cpu_loras)")
-            self._drop(victim)
+    def register(self, request: LoRARequest) -> None:
+        """A request names this adapter: validate its files (no tensor data read)."""
+        self.registry.register(request)
 
-    def _drop(self, lora_id: int) -> None:
-        self._cache.pop(lora_id, None)
-        self._requests.pop(lora_id, None)
-        self.pinned.discard(lora_id)
-        if lora_id in self.slots:
-            self.slots[self.slots.index(lora_id)] = None
+    def load_inplace(self, request: LoRARequest) -> None:
+        self.registry.replace(request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Free the adapter's device slot and host copy. False if it was not loaded."""
-        if lora_id not in self._cache and lora_id not in self.slots:
-            return False
-        self._drop(lora_id)
-        return True
+        """Free the adapter's device slot and host copy. False if it was not known."""
+        entry = self.registry.remove(lora_id)
+        self._free_slot_of(lora_id)
+        return entry is not None
 
     def pin_lora(self, lora_id: int) -> bool:
-        if lora_id not in self._cache:
+        entry = self.registry.entries.get(lora_id)
+        if entry is None or entry.host is None:
             raise ValueError(f"LoRA {lora_id} is not loaded; add it before pinning")
-        if lora_id not in self.pinned and len(self.pinned) >= self.max_loras:
-            raise ValueError(f"Cannot pin more than max_loras ({self.max_loras}) LoRAs")
-        self.pinned.add(lora_id)
+        if entry.pinned:
+            return True
+        pinned = self.pinned
+        if len(pinned) + 1 >= self.max_loras:
+            raise ValueError(
+                f"Cannot pin LoRA {lora_id}: max_loras is {self.max_loras} and "
+                f"{len(pinned)} adapter(s) are pinned; pinning another would leave no device "
+                "slot for the unpinned adapters (raise --max-loras)")
+        entry.pinned = True
+        if lora_id not in self.slots:  # vLLM's pin also activates the adapter
+            slot = self._evictable_slot(needed={lora_id})
+            if slot is not None:
+                self._load_into_slot(lora_id, slot)
         return True
 
+    @property
+    def pinned(self) -> set[int]:
+        return {i for i, e in self.registry.entries.items() if e.pinned}
+
     def list_loras(self) -> set[int]:
-        return set(self._cache)
+        return self.registry.cached_ids()
 
     def is_loaded(self, lora_id: int) -> bool:
-        return lora_id in self._cache
+        return lora_id in self.registry.cached_ids()
+
+    @property
+    def num_host_loads(self) -> int:
+        return self.registry.num_host_loads
 
     @property
     def num_slots_in_use(self) -> int:
         return sum(s is not None for s in self.slots)
 
-    # ---- device slots ----
+    # ---- references (the scheduler's admission policy) ----
 
-    def activate(self, requests: dict[int, LoRARequest]) -> dict[int, int]:
-        """Put every adapter of this step in a device slot; return {lora_int_id: slot}."""
-        if len(requests) > self.max_loras:
-            raise RuntimeError(f"{len(requests)} adapters in one step > max_loras {self.max_loras}")
-        self._clock += 1
-        for lora_id, req in requests.items():
-            if lora_id not in self._cache:
-                self.add_lora(req)  # evicted from the host cache since: reload from disk
-            self._cache.move_to_end(lora_id)
-            if lora_id not in self.slots:
-                self._load_into_slot(lora_id, self._free_slot(set(requests)))
-            self._slot_used_at[self.slots.index(lora_id)] = self._clock
-        return {lora_id: self.slots.index(lora_id) for lora_id in requests}
+    def ready(self, lora_id: int) -> bool:
+        return self.registry.ready(lora_id)
 
-    def _free_slot(self, needed: set[int]) -> int:
-        if None in self.slots:
-            return self.slots.index(None)
-        candidates = [i for i, lid in enumerate(self.slots)
-                      if lid not in needed and lid not in self.pinned]
-        if not candidates:
-            raise RuntimeError("no evictable LoRA slot: every slot is pinned or in use")
-        return min(candidates, key=lambda i: self._slot_used_at[i])
+    def acquire(self, lora_id: int) -> None:
+        self.registry.acquire(lora_id)
 
-    def _load_into_slot(self, lora_id: int, slot: int) -> None:
-        self.write_slot(slot, self._cache[lora_id])
-        self.slots[slot] = lora_id
-        self.num_slot_loads += 1
+    def release(self, lora_id: int) -> None:
+        self.registry.release(lora_id)
 
-    def write_slot(self, slot: int, lora: LoRAModel | None) -> None:
-        """Write an adapter (None: zeros) into `slot` of every buffer, as one graph."""
-        device = next(iter(self.layers.values())).lora_a_0.device
-        slot_t = torch.tensor([slot], dtype=torch.int64, device=device)
-        for name, layer in self.layers.items():
+    def set_running(self, lora_id: int, delta: int) -> None:
+        entry = self.registry.entries.get(lora_id)
+        if entry is not None:
+            entry.running += delta
+
+    # ---- host copies ----
+
+    def _validate(self, request: LoRARequest) -> None:
+        load_peft_adapter(request, self.model, max_lora_rank=self.max_rank, dtype=torch.float32,
+                          target_modules=self.target_modules, header_only=True)
+
+    def _load_host(self, request: LoRARequest) -> HostAdapter:
+        """Read, validate and lay out an adapter (loader thread: touches no engine state)."""
+        # float32 while scaling: the scale is folded into B before the cast to self.dtype.
+        lora = load_peft_adapter(request, self.model, max_lora_rank=self.max_rank,
+                                 dtype=torch.float32, target_modules=self.target_modules)
+        return self._host_adapter(lora)
+
+    def _host_adapter(self, lora: LoRAModel | None) -> HostAdapter:
+        parts = []
+        for name, i, a_shape, b_shape in self._layout:
             slices = lora.modules.get(name) if lora is not None else None
-            for i, (a_buf, b_buf) in enumerate(zip(layer.lora_a, layer.lora_b)):
-                weights = slices[i] if slices else None
-                a, b = self._padded(weights, a_buf.shape[1:], b_buf.shape[1:])
-                a_buf.index_copy_(0, slot_t, a.to(device)[None])
-                b_buf.index_copy_(0, slot_t, b.to(device)[None])
-        platform.sync()
+            a, b = self._padded(slices[i] if slices else None, a_shape, b_shape)
+            parts += [a.reshape(-1), b.reshape(-1)]
+        return HostAdapter(lora.name if lora is not None else "", torch.cat(parts))
 
     def _padded(self, w, a_shape, b_shape) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero-pad to max_rank and fold the scale into B (so the kernels need no scale)."""
@@ -147,18 +183,113 @@ class LoRAManager:
             b[:, :r] = (w.lora_b.float() * w.scale).to(self.dtype)
         return a, b
 
-    def warmup_adapter(self) -> LoRAModel:
+    # ---- device slots ----
+
+    def activate(self, lora_ids) -> dict[int, int]:
+        """Put every adapter of this step in a device slot; return {lora_int_id: slot}."""
+        needed = set(lora_ids)
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"{len(needed)} adapters in one step > max_loras {self.max_loras}")
+        self._clock += 1
+        for lora_id in needed:
+            if lora_id not in self.slots:
+                slot = self._evictable_slot(needed)
+                if slot is None:
+                    raise RuntimeError("no evictable LoRA slot: every slot is pinned or used by "
+                                       "a running sequence")
+                self._load_into_slot(lora_id, slot)
+            self._slot_used_at[self.slots.index(lora_id)] = self._clock
+        return {lora_id: self.slots.index(lora_id) for lora_id in needed}
+
+    def _evictable_slot(self, needed: set[int]) -> int | None:
+        """A free slot, else the least recently used one that no running sequence, pin or
+        this step needs."""
+        if None in self.slots:
+            return self.slots.index(None)
+        entries = self.registry.entries
+        candidates = [i for i, lid in enumerate(self.slots)
+                      if lid not in needed and not (lid in entries and (entries[lid].pinned
+                                                                        or entries[lid].running))]
+        return min(candidates, key=lambda i: self._slot_used_at[i]) if candidates else None
+
+    def _load_into_slot(self, lora_id: int, slot: int) -> None:
+        evicted = self.slots[slot]
+        if evicted is not None and evicted in self.registry.entries:
+            self.registry.entries[evicted].counters["slot_evictions"] += 1
+        self.write_slot(slot, self.registry.host_copy(lora_id))
+        self.slots[slot] = lora_id
+        self.num_slot_loads += 1
+        self.registry.entries[lora_id].counters["slot_loads"] += 1
+
+    def _free_slot_of(self, lora_id: int) -> None:
+        """Forget the adapter's slot (its weights are gone or stale); the data stays until
+        the slot is written again, but nothing indexes a slot that holds no adapter."""
+        if lora_id in self.slots:
+            self.slots[self.slots.index(lora_id)] = None
+
+    def write_slot(self, slot: int, host: HostAdapter) -> None:
+        """Write an adapter's slot image into `slot` of every buffer: one transfer, one graph."""
+        buffers = self._buffers
+        if self._slot_index is None:
+            self._slot_index = [torch.tensor([s], dtype=torch.int64, device=buffers[0].device)
+                                for s in range(self.max_loras)]
+        device = buffers[0].device
+        if self.one_transfer:
+            flat = host.flat.to(device)
+            # Donated only around the write: in place, instead of XLA copying every
+            # buffer whole (max_loras adapters' worth) to change one slot: 3.0 vs 9.7 ms
+            # per write at the LoRA benchmark's shape. The forward graphs must not get
+            # them donated (XLA could reuse their memory for its own outputs).
+            platform.mark_donated(buffers)
+            try:
+                self._write_graph(buffers, flat, self._slot_index[slot], self._shapes)
+            finally:
+                platform.mark_donated(buffers, donate=False)
+        else:
+            offset = 0
+            for buf, shape in zip(buffers, self._shapes):
+                n = math.prod(shape)
+                image = host.flat[offset:offset + n].view(1, *shape).to(device)
+                buf.index_copy_(0, self._slot_index[slot], image)
+                offset += n
+        platform.sync()
+
+    def warmup_adapter(self) -> HostAdapter:
         """A random full-rank adapter on every layer, so warm-up traces real LoRA math."""
         gen = torch.Generator().manual_seed(0)
-        modules = {}
-        for name, layer in self.layers.items():
-            modules[name] = [
-                LoRASliceWeights(torch.randn(a.shape[1:], generator=gen) * 0.01,
-                                 torch.randn(b.shape[1:], generator=gen) * 0.01, 1.0)
-                for a, b in zip(layer.lora_a, layer.lora_b)]
-        return LoRAModel("warmup", 0, "", self.max_rank, modules)
+        modules: dict[str, list] = {}
+        for name, _, a_shape, b_shape in self._layout:
+            modules.setdefault(name, []).append(
+                LoRASliceWeights(torch.randn(a_shape, generator=gen) * 0.01,
+                                 torch.randn(b_shape, generator=gen) * 0.01, 1.0))
+        return self._host_adapter(LoRAModel("warmup", 0, "", self.max_rank, modules))
 
     def clear_all_slots(self) -> None:
+        zeros = self._host_adapter(None)
         for slot in range(self.max_loras):
-            self.write_slot(slot, None)
+            self.write_slot(slot, zeros)
         self.slots = [None] * self.max_loras
+
+    # ---- observability ----
+
+    def adapter_stats(self, waiting: dict[int, int]) -> dict[str, dict[str, Any]]:
+        """Per adapter (by name): loads, evictions, where it is, who uses it.
+        `waiting`: waiting sequences per lora id (the scheduler knows them)."""
+        out = {}
+        for lora_id, e in self.registry.entries.items():
+            out[e.request.lora_name] = {
+                "lora_int_id": lora_id, **e.counters,
+                "on_device": lora_id in self.slots, "in_host_cache": e.host is not None,
+                "pinned": e.pinned, "running": e.running, "waiting": waiting.get(lora_id, 0)}
+        return out
+
+
+def _write_slot_images(buffers: list[torch.Tensor], flat: torch.Tensor, slot: torch.Tensor,
+                       shapes: list[tuple]) -> list:
+    """The slot-write graph: each buffer's slice of `flat` into row `slot` (in place)."""
+    offset = 0
+    for buf, shape in zip(buffers, shapes):
+        n = math.prod(shape)
+        buf.index_copy_(0, slot, flat[offset:offset + n].view(1, *shape))
+        offset += n
+    return []

@@ -16,12 +16,13 @@ import re
 from typing import NamedTuple
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
 from vllm_tpu_lora.lora.models import LoRAModel, LoRASliceWeights
 
-__all__ = ["LoRAModel", "LoRASliceWeights", "load_peft_adapter"]
+__all__ = ["LoRAModel", "LoRASliceWeights", "adapter_fingerprint", "load_peft_adapter"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_SAFETENSORS = "adapter_model.safetensors"
@@ -33,6 +34,10 @@ _UNSUPPORTED_MODULES = ("embed_tokens", "lm_head")
 # (a bias on lora_B, repeated layers, activated LoRA, trained token rows, LoRA on nn.Parameter).
 _UNSUPPORTED_FEATURES = ("lora_bias", "layer_replication", "alora_invocation_tokens",
                          "trainable_token_indices", "target_parameters")
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F64": torch.float64}
 
 
 class _Invalid(Exception):
@@ -49,8 +54,13 @@ class _Target(NamedTuple):
 
 
 def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
-                      dtype: torch.dtype = torch.float32, target_modules=None) -> LoRAModel:
+                      dtype: torch.dtype = torch.float32, target_modules=None,
+                      header_only: bool = False) -> LoRAModel:
     """Read, validate and repack the adapter at `lora_request.lora_path` for `model`.
+
+    header_only: validate everything but the values (config, tensor names, shapes, ranks)
+    from the config and the safetensors header, without reading tensor data; the modules
+    then hold meta tensors. Cheap enough to run when a request names the adapter.
 
     `model` only supplies names and shapes (its `packed_modules_mapping`, and in/out features
     of each target layer, also through a LoRA wrapper's `base_layer`); it is not modified.
@@ -59,17 +69,17 @@ def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
     an adapter with weights for any other module is rejected.
     """
     try:
-        return _load(lora_request, model, max_lora_rank, dtype, target_modules)
+        return _load(lora_request, model, max_lora_rank, dtype, target_modules, header_only)
     except _Invalid as e:
         raise ValueError(f"Loading lora {lora_request.lora_name} failed: {e}") from e.__cause__
 
 
 def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype,
-          target_modules) -> LoRAModel:
+          target_modules, header_only: bool) -> LoRAModel:
     path = lora_request.lora_path
     cfg = _read_config(path)
     _check_config(cfg)
-    tensors = _read_weights(path)
+    tensors = _read_weights(path, header_only)
     targets = _model_targets(model)
     if target_modules:
         targets = {k: v for k, v in targets.items() if k.rsplit(".", 1)[-1] in target_modules}
@@ -100,14 +110,44 @@ def _read_config(path: str) -> dict:
     return cfg
 
 
-def _read_weights(path: str) -> dict[str, torch.Tensor]:
+def _weights_file(path: str) -> str | None:
     st_path, bin_path = os.path.join(path, ADAPTER_SAFETENSORS), os.path.join(path, ADAPTER_BIN)
-    file = next((f for f in (st_path, bin_path) if os.path.isfile(f)), None)
+    return next((f for f in (st_path, bin_path) if os.path.isfile(f)), None)
+
+
+def adapter_fingerprint(path: str) -> tuple | None:
+    """What identifies the adapter files' current content without reading them: (inode,
+    size, mtime) of the config and the weights file; None if either is gone."""
+    weights = _weights_file(path)
+    if weights is None:
+        return None
+    try:
+        stats = [os.stat(f) for f in (os.path.join(path, ADAPTER_CONFIG), weights)]
+    except OSError:
+        return None
+    return tuple((weights, s.st_ino, s.st_size, s.st_mtime_ns) for s in stats)
+
+
+def _header_tensors(file: str) -> dict[str, torch.Tensor]:
+    """The safetensors file's tensors as meta tensors (names, shapes, dtypes; no data)."""
+    with safe_open(file, framework="pt") as f:
+        return {k: torch.empty(f.get_slice(k).get_shape(),
+                               dtype=_SAFETENSORS_DTYPES.get(f.get_slice(k).get_dtype(),
+                                                             torch.float32),
+                               device="meta")
+                for k in f.keys()}
+
+
+def _read_weights(path: str, header_only: bool = False) -> dict[str, torch.Tensor]:
+    file = _weights_file(path)
     if file is None:
         raise _Invalid(f"No adapter found for {path} (neither {ADAPTER_SAFETENSORS} "
                        f"nor {ADAPTER_BIN} exists)")
+    st_path = os.path.join(path, ADAPTER_SAFETENSORS)
     try:
-        if file == st_path:
+        if file == st_path and header_only:
+            tensors = _header_tensors(file)
+        elif file == st_path:
             tensors = load_file(file, device="cpu")
         else:  # weights_only: a pickle from an untrusted adapter must not run code
             tensors = torch.load(file, map_location="cpu", weights_only=True)
@@ -314,6 +354,6 @@ def _checked_rank(name: str, a: torch.Tensor, b: torch.Tensor, target: _Target, 
 def _finite(name: str, kind: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Checked after the cast, so values that overflow the serving dtype are caught too.
     out = tensor.to(dtype=dtype).contiguous()
-    if not torch.isfinite(out).all():
+    if not out.is_meta and not torch.isfinite(out).all():
         raise _Invalid(f"{kind} of {name} contains NaN or Inf values (in {dtype}).")
     return out

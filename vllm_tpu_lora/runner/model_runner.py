@@ -67,6 +67,8 @@ class ModelRunner:
         compile_fn = self.capture.compile if self.capture else (lambda fn: fn)
         self._forward_graph = compile_fn(_bind_forward(self.model, punica))
         self._sample_graph = compile_fn(_bind_sample(self.model))
+        if self.capture is not None and lora_manager is not None:
+            lora_manager.use_capture(self.capture)
         if self.capture is not None:  # the graphs update the KV cache in place
             for cache in self.kv_caches:
                 platform.mark_donated(cache)

@@ -42,6 +42,30 @@ _ENGINE_METRICS = {
 }
 
 
+# stats()["loras"][name] key -> (metric name, help, kind), one series per adapter.
+_ADAPTER_METRICS = {
+    "host_loads": ("vllm_tpu_lora:lora_host_loads", "Adapter reads from disk into host memory.",
+                   "counter"),
+    "host_evictions": ("vllm_tpu_lora:lora_host_evictions",
+                       "Adapter host copies dropped from the host cache (LRU).", "counter"),
+    "slot_loads": ("vllm_tpu_lora:lora_adapter_slot_loads",
+                   "Adapter writes into a device slot.", "counter"),
+    "slot_evictions": ("vllm_tpu_lora:lora_slot_evictions",
+                       "Times the adapter was evicted from its device slot.", "counter"),
+    "load_failures": ("vllm_tpu_lora:lora_load_failures",
+                      "Background reads of the adapter that failed.", "counter"),
+    "on_device": ("vllm_tpu_lora:lora_on_device", "1 if the adapter holds a device slot.",
+                  "gauge"),
+    "in_host_cache": ("vllm_tpu_lora:lora_in_host_cache",
+                      "1 if the adapter's host copy is in memory.", "gauge"),
+    "running": ("vllm_tpu_lora:lora_requests_running",
+                "Running sequences using the adapter.", "gauge"),
+    "waiting": ("vllm_tpu_lora:lora_requests_waiting",
+                "Waiting sequences (for a slot or the adapter's read) using the adapter.",
+                "gauge"),
+}
+
+
 class _EngineCollector:
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -53,6 +77,26 @@ class _EngineCollector:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, doc, value=float(value))
+        loras = stats.get("loras")
+        if loras is not None:
+            yield from _adapter_families(loras, stats)
+
+
+def _adapter_families(loras: dict, stats: dict):
+    for key, (name, doc, kind) in _ADAPTER_METRICS.items():
+        family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+            name, doc, labels=["lora_name"])
+        for lora_name, a in sorted(loras.items()):
+            family.add_metric([lora_name], float(a[key]))
+        yield family
+    # vLLM's info gauge (what llm-d routes on): the adapters running and waiting, as labels.
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                             labels=["max_lora", "running_lora_adapters",
+                                     "waiting_lora_adapters"])
+    running = ",".join(n for n, a in sorted(loras.items()) if a["running"])
+    waiting = ",".join(n for n, a in sorted(loras.items()) if a["waiting"])
+    info.add_metric([str(stats.get("max_loras", "")), running, waiting], time.time())
+    yield info
 
 
 class ServerMetrics:

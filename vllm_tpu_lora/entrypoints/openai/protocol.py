@@ -297,6 +297,9 @@ class ModelList(OpenAIBaseModel):
 class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
+    # vLLM's: replace the weights of an adapter already loaded under lora_name. Requests
+    # admitted afterwards use the new weights; running ones finish on the old.
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

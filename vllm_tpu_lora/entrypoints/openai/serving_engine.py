@@ -18,7 +18,7 @@ from http import HTTPStatus
 from vllm_tpu_lora.engine.async_engine import EngineDeadError, RequestStream
 from vllm_tpu_lora.entrypoints.openai.metrics import ServerMetrics
 from vllm_tpu_lora.entrypoints.openai.protocol import APIError, SamplingFields, UsageInfo
-from vllm_tpu_lora.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm_tpu_lora.entrypoints.openai.serving_models import OpenAIServingModels, adapter_error
 from vllm_tpu_lora.outputs import CompletionOutput, RequestOutput
 from vllm_tpu_lora.sampling_params import SamplingParams
 
@@ -162,6 +162,8 @@ def sse_error(exc: BaseException) -> str:
 def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ValueError) and str(exc).startswith("Loading lora "):
+        return adapter_error(exc)  # the request's adapter is gone or broken: 404 / 400
     if isinstance(exc, ValueError):
         return APIError(str(exc), param=param_of(str(exc)))
     if isinstance(exc, EngineDeadError):

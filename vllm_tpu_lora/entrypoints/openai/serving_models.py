@@ -98,15 +98,18 @@ class OpenAIServingModels:
             raise APIError("Both 'lora_name' and 'lora_path' must be provided.",
                            err_type="InvalidUserInput")
         async with self._lock:
-            self._check_new_name(name, self.lora_requests)
-            lora = self._new_request(name, self._checked_path(name, path), None)
+            existing = self.lora_requests.get(name)
+            inplace = existing is not None and request.load_inplace
+            if inplace:  # same id, new files: the engine swaps once the old drain
+                lora = LoRARequest(name, existing.lora_int_id, self._checked_path(name, path),
+                                   existing.base_model_name)
+            else:
+                self._check_new_name(name, self.lora_requests)
+                lora = self._new_request(name, self._checked_path(name, path), None)
             try:
-                await self.engine.add_lora(lora)
+                await self.engine.add_lora(lora, load_inplace=inplace)
             except (ValueError, OSError, RuntimeError) as e:
-                status, kind = HTTPStatus.BAD_REQUEST, "BadRequestError"
-                if "No adapter found" in str(e) or isinstance(e, FileNotFoundError):
-                    status, kind = HTTPStatus.NOT_FOUND, "NotFoundError"
-                raise APIError(str(e), status, kind) from None
+                raise adapter_error(e) from None
             self.lora_requests[name] = lora
             self._lora_paths[name] = path
         logger.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
@@ -160,6 +163,13 @@ class OpenAIServingModels:
     def _allowed(self, real: str) -> bool:
         return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep)
                    for root in self.allowed_lora_dirs)
+
+
+def adapter_error(e: Exception) -> APIError:
+    """An engine error about an adapter, as OpenAI's error: 404 when its files are not there."""
+    if "No adapter found" in str(e) or isinstance(e, FileNotFoundError):
+        return APIError(str(e), HTTPStatus.NOT_FOUND, "NotFoundError")
+    return APIError(str(e), HTTPStatus.BAD_REQUEST, "BadRequestError")
 
 
 def _entries(real_dir: str) -> list[str]:

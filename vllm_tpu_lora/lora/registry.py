@@ -1,0 +1,283 @@
+"""Host side of the adapter lifecycle: which adapters exist, their host copies, who needs them.
+
+The rules (the device-slot side lives in manager.LoRAManager):
+- An adapter becomes *known* when a request or add_lora names it. Naming it validates its
+  files (config and safetensors header: names, shapes, ranks; no tensor data), so a bad
+  adapter is refused before anything is queued, and a request that names an adapter whose
+  files have since vanished or changed is checked against the files as they are now.
+- Host copies are read by one background thread, which prefetches the adapters of the
+  waiting queue's head, or synchronously between steps for add_lora / load_inplace. A
+  step never reads a file: the scheduler only admits a sequence whose adapter is in host
+  memory.
+- A sequence holds a reference from admission to finish (preemption keeps it). A
+  referenced or pinned adapter is never dropped from the host cache; at most
+  `max_cpu_loras` unreferenced copies are kept, least recently used first out. Waiting
+  sequences hold nothing, so 10,000 queued requests over 10,000 adapters hold only the
+  prefetch window in memory.
+- New weights under a known id (load_inplace, or files that changed on disk) are staged
+  until no admitted sequence uses the old ones; meanwhile new sequences for that adapter
+  wait. So one step never mixes two versions of an adapter, and a sequence runs on one
+  version from its first token to its last.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_tpu_lora.lora.peft_loader import adapter_fingerprint
+from vllm_tpu_lora.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+# Adapters read at once by the background loader. One thread is enough to hide the reads
+# behind steps; more would only compete with the step for the host's cores.
+MAX_LOADS_IN_FLIGHT = 2
+
+
+class LoRALoadError(ValueError):
+    """An adapter could not be loaded for a request that was already queued."""
+
+    @property
+    def not_found(self) -> bool:
+        return "No adapter found" in str(self)
+
+
+@dataclass
+class _Staged:
+    request: LoRARequest
+    fingerprint: tuple | None
+    host: Any = None  # new host copy (load_inplace), or None: read it when needed
+
+
+@dataclass
+class AdapterEntry:
+    request: LoRARequest
+    fingerprint: tuple | None
+    host: Any = None  # the prepared host copy (what a slot write needs), or None
+    refs: int = 0  # admitted, unfinished sequences (host copy protected)
+    running: int = 0  # of those, sequences in the running set (device slot protected)
+    pinned: bool = False
+    generation: int = 0  # bumped whenever the weights under this id change
+    last_used: int = 0
+    loading: Future | None = None
+    loading_generation: int = 0  # the generation the read in flight is for
+    staged: _Staged | None = None
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("host_loads", "host_evictions", "slot_loads", "slot_evictions", "load_failures"), 0))
+
+
+class AdapterRegistry:
+    def __init__(self, *, max_cpu_loras: int, validate: Callable[[LoRARequest], None],
+                 load: Callable[[LoRARequest], Any],
+                 on_weights_changed: Callable[[int], None]) -> None:
+        """validate(request) raises ValueError for a bad adapter without reading tensor data;
+        load(request) returns the host copy (runs in the loader thread: must not touch
+        engine state); on_weights_changed(lora_id) frees the adapter's device slot."""
+        self.max_cpu_loras = max_cpu_loras
+        self._validate, self._load, self._on_weights_changed = validate, load, on_weights_changed
+        self.entries: dict[int, AdapterEntry] = {}
+        self._clock = 0
+        self._executor: ThreadPoolExecutor | None = None
+        self._wanted: set[int] = set()  # adapters the waiting queue's head needs
+        self._loading: set[int] = set()  # adapters with a background read in flight
+        self.num_host_loads = 0
+
+    # ---- naming adapters (engine thread, between steps) ----
+
+    def register(self, request: LoRARequest) -> AdapterEntry:
+        """A request names `request`'s adapter: validate it if new or changed on disk."""
+        entry = self.entries.get(request.lora_int_id)
+        if entry is None:
+            fingerprint = adapter_fingerprint(request.lora_path)
+            self._validate(request)
+            entry = self.entries[request.lora_int_id] = AdapterEntry(request, fingerprint)
+            return entry
+        now = adapter_fingerprint(entry.request.lora_path)
+        if entry.staged is not None or now == entry.fingerprint:
+            return entry
+        # The files changed since they were read: the request gets them as they are now.
+        self._validate(entry.request)  # gone or broken: refuse the request
+        logger.info("LoRA %s changed on disk; new requests get the new weights",
+                    entry.request.lora_name)
+        self._stage(entry, _Staged(entry.request, now))
+        return entry
+
+    def load_now(self, request: LoRARequest) -> bool:
+        """add_lora: make sure a host copy is in memory now. False if it already was."""
+        entry = self.register(request)
+        if entry.host is not None and entry.staged is None:
+            self._touch(entry)
+            return False
+        if entry.staged is None:
+            self._set_host(entry, self._read(entry.request))
+        else:
+            entry.staged.host = entry.staged.host or self._read(entry.staged.request)
+        self._trim()
+        return True
+
+    def replace(self, request: LoRARequest) -> None:
+        """load_inplace: new weights under a known id, read and validated now; applied once
+        no admitted sequence uses the old ones."""
+        entry = self.entries.get(request.lora_int_id)
+        if entry is None:
+            self.load_now(request)
+            return
+        host = self._read(request)  # raises: nothing changes
+        self._stage(entry, _Staged(request, adapter_fingerprint(request.lora_path), host))
+
+    def remove(self, lora_id: int) -> AdapterEntry | None:
+        entry = self.entries.pop(lora_id, None)
+        if entry is not None and entry.refs:
+            self.entries[lora_id] = entry
+            raise RuntimeError(f"LoRA {lora_id} is referenced by {entry.refs} sequence(s)")
+        return entry
+
+    def _read(self, request: LoRARequest):
+        host = self._load(request)
+        self.num_host_loads += 1
+        entry = self.entries.get(request.lora_int_id)
+        if entry is not None:
+            entry.counters["host_loads"] += 1
+        return host
+
+    # ---- references (scheduler) ----
+
+    def ready(self, lora_id: int) -> bool:
+        """A sequence that holds no reference may be admitted: host copy in memory, no
+        reload waiting for the old version to drain."""
+        entry = self.entries.get(lora_id)
+        return entry is not None and entry.host is not None and entry.staged is None
+
+    def acquire(self, lora_id: int) -> None:
+        entry = self.entries[lora_id]
+        entry.refs += 1
+        self._touch(entry)
+
+    def release(self, lora_id: int) -> None:
+        entry = self.entries.get(lora_id)
+        if entry is None:
+            return
+        entry.refs -= 1
+        self._touch(entry)
+        if entry.refs == 0 and entry.staged is not None:
+            self._apply_staged(entry)
+        self._trim()
+
+    # ---- background loading (engine thread submits and harvests) ----
+
+    def prefetch(self, lora_ids: Iterable[int]) -> None:
+        """Start reading host copies for the first adapters the waiting queue needs, in queue
+        order; the window is max_cpu_loras adapters, the most the host cache keeps."""
+        in_flight = len(self._loading)
+        self._wanted = set()
+        for lora_id in lora_ids:
+            entry = self.entries.get(lora_id)
+            if entry is None:
+                continue
+            self._wanted.add(lora_id)  # needed soon: last out of the host cache
+            # (A staged reload is read once the old version drained: see _apply_staged.)
+            if (entry.host is None and entry.staged is None and entry.loading is None
+                    and in_flight < MAX_LOADS_IN_FLIGHT):
+                entry.loading = self._pool().submit(self._load, entry.request)
+                entry.loading_generation = entry.generation
+                self._loading.add(lora_id)
+                in_flight += 1
+            if len(self._wanted) >= self.max_cpu_loras:
+                break
+
+    def poll(self) -> dict[int, LoRALoadError]:
+        """Take the finished background reads; {lora_id: error} for adapters that failed
+        (their entry is dropped: the engine fails their waiting requests)."""
+        failed: dict[int, LoRALoadError] = {}
+        for lora_id in list(self._loading):
+            entry = self.entries.get(lora_id)
+            fut = entry.loading if entry is not None else None
+            if fut is None:  # removed (and maybe named again) while its read was in flight
+                self._loading.discard(lora_id)
+                continue
+            if not fut.done():
+                continue
+            entry.loading = None
+            self._loading.discard(lora_id)
+            if entry.loading_generation != entry.generation or entry.host is not None:
+                continue  # read for weights that were replaced meanwhile, or loaded since
+            try:
+                host = fut.result()
+            except Exception as e:  # noqa: BLE001 - reported to the adapter's requests
+                entry.counters["load_failures"] += 1
+                failed[lora_id] = e if isinstance(e, LoRALoadError) else LoRALoadError(str(e))
+                if entry.refs == 0 and not entry.pinned:
+                    del self.entries[lora_id]
+                continue
+            self.num_host_loads += 1
+            entry.counters["host_loads"] += 1
+            self._set_host(entry, host)
+        if failed:
+            self._trim()
+        return failed
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block (GIL released) until a background read finishes or `timeout` passes."""
+        futures = [self.entries[i].loading for i in self._loading if i in self.entries]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-loader")
+        return self._executor
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- host cache ----
+
+    def host_copy(self, lora_id: int):
+        entry = self.entries.get(lora_id)
+        if entry is None or entry.host is None:
+            # The scheduler admits only ready adapters and references keep them: a bug.
+            raise RuntimeError(f"LoRA {lora_id} has no host copy to write into a slot")
+        return entry.host
+
+    def cached_ids(self) -> set[int]:
+        return {i for i, e in self.entries.items() if e.host is not None}
+
+    def _set_host(self, entry: AdapterEntry, host) -> None:
+        entry.host = host
+        self._touch(entry)
+        self._trim()
+
+    def _touch(self, entry: AdapterEntry) -> None:
+        self._clock += 1
+        entry.last_used = self._clock
+
+    def _trim(self) -> None:
+        """Keep at most max_cpu_loras unreferenced, unpinned host copies: least recently
+        used out first, the ones the waiting queue's head needs (prefetched) last."""
+        idle = [(i in self._wanted, e.last_used, i) for i, e in self.entries.items()
+                if e.host is not None and not e.refs and not e.pinned]
+        for _, _, lora_id in sorted(idle)[:max(0, len(idle) - self.max_cpu_loras)]:
+            entry = self.entries[lora_id]
+            entry.host = None
+            entry.counters["host_evictions"] += 1
+
+    def _stage(self, entry: AdapterEntry, staged: _Staged) -> None:
+        entry.staged = staged
+        entry.generation += 1  # a read in flight is for the old weights now
+        if entry.refs == 0:
+            self._apply_staged(entry)
+
+    def _apply_staged(self, entry: AdapterEntry) -> None:
+        staged, entry.staged = entry.staged, None
+        entry.request, entry.fingerprint = staged.request, staged.fingerprint
+        entry.host = staged.host
+        entry.generation += 1
+        self._on_weights_changed(entry.request.lora_int_id)
+        if entry.host is not None:
+            self._touch(entry)
+            self._trim()
