@@ -166,22 +166,22 @@ class LoRAManager:
         return self._host_adapter(lora)
 
     def _host_adapter(self, lora: LoRAModel | None) -> HostAdapter:
-        parts = []
+        """The slot image, written in place into one zeroed flat tensor: each slice
+        zero-padded to max_rank, its scale folded into B (so the kernels need no scale)."""
+        flat = torch.zeros(sum(math.prod(shape) for shape in self._shapes), dtype=self.dtype)
+        offset = 0
         for name, i, a_shape, b_shape in self._layout:
             slices = lora.modules.get(name) if lora is not None else None
-            a, b = self._padded(slices[i] if slices else None, a_shape, b_shape)
-            parts += [a.reshape(-1), b.reshape(-1)]
-        return HostAdapter(lora.name if lora is not None else "", torch.cat(parts))
-
-    def _padded(self, w, a_shape, b_shape) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero-pad to max_rank and fold the scale into B (so the kernels need no scale)."""
-        a = torch.zeros(a_shape, dtype=self.dtype)
-        b = torch.zeros(b_shape, dtype=self.dtype)
-        if w is not None:
-            r = w.lora_a.shape[0]
-            a[:r] = w.lora_a.to(self.dtype)
-            b[:, :r] = (w.lora_b.float() * w.scale).to(self.dtype)
-        return a, b
+            w = slices[i] if slices else None
+            a = flat[offset:offset + math.prod(a_shape)].view(a_shape)
+            offset += a.numel()
+            b = flat[offset:offset + math.prod(b_shape)].view(b_shape)
+            offset += b.numel()
+            if w is not None:
+                r = w.lora_a.shape[0]
+                a[:r] = w.lora_a
+                b[:, :r] = w.lora_b.float() * w.scale  # scaled in float32, then cast
+        return HostAdapter(lora.name if lora is not None else "", flat)
 
     # ---- device slots ----
 
@@ -245,13 +245,15 @@ class LoRAManager:
                 self._write_graph(buffers, flat, self._slot_index[slot], self._shapes)
             finally:
                 platform.mark_donated(buffers, donate=False)
-        else:
-            offset = 0
-            for buf, shape in zip(buffers, self._shapes):
-                n = math.prod(shape)
-                image = host.flat[offset:offset + n].view(1, *shape).to(device)
-                buf.index_copy_(0, self._slot_index[slot], image)
-                offset += n
+            if self._write_graph is _write_slot_images:
+                platform.sync()  # traced lazily (enforce_eager): run it now, on its own
+            return
+        offset = 0
+        for buf, shape in zip(buffers, self._shapes):
+            n = math.prod(shape)
+            image = host.flat[offset:offset + n].view(1, *shape).to(device)
+            buf.index_copy_(0, self._slot_index[slot], image)
+            offset += n
         platform.sync()
 
     def warmup_adapter(self) -> HostAdapter:

@@ -23,6 +23,8 @@ The rules (the device-slot side lives in manager.LoRAManager):
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -228,7 +230,8 @@ class AdapterRegistry:
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-loader")
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-loader",
+                                                initializer=_lower_priority)
         return self._executor
 
     def shutdown(self) -> None:
@@ -281,3 +284,13 @@ class AdapterRegistry:
         if entry.host is not None:
             self._touch(entry)
             self._trim()
+
+
+def _lower_priority() -> None:
+    """The loader reads ahead of need: on a busy host it should yield the cores to the
+    engine's device work (XLA's CPU threads here), not compete with it. Linux niceness
+    is per thread; elsewhere this is a no-op."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass

@@ -32,15 +32,17 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # Grouped matmul with blocks under 8 rows runs XLA CPU's batched matmul badly (B=1 at
 # T=256: 66 ms), so the one-hot product over the step's S adapters wins except for large
 # buckets with many adapters, where its S-fold FLOPs dominate.
-# At S=16 (same 512/1408 layer, 4 layers, LoRA ms over the base; gathered = per-token
-# weight gather + batched matrix-vector, the bgmv of punica/S-LoRA):
-#   T=16: onehot 3.40 | gathered 0.83;  T=32: onehot 4.21 | gathered 2.01
-#   T=64: onehot 5.25 | gathered 15.1 | grouped B=16 4.16;  T=256: 12.6 | 62.1 | 6.6
-# XLA CPU runs the batched matrix-vector well only up to ~32 rows, so gathered wins only
-# at decode-sized buckets, where the one-hot's S-fold FLOPs hurt most.
+# Gathered = per-token weight gather + multiply-and-sum (the bgmv of punica/S-LoRA); same
+# layer, 4 layers, LoRA ms over the base (as a batched matmul it fell off a cliff at 64
+# rows: 15 ms at T=64):
+#   S=8:  T=16 onehot 1.25 | gathered 0.55;  T=32 2.36 | 1.65;  T=64 2.46 | 2.60
+#   S=16: T=16 onehot 3.02 | gathered 0.72;  T=32 4.40 | 1.54;  T=64 4.81 | 2.03
+#         (grouped B=16 3.73);  T=128: grouped B=16 4.71 | onehot 10.9 | gathered 16.1
+# It costs T*R*(D+O) whatever S is, so it wins where the one-hot's S-fold FLOPs hurt and
+# the bucket is small enough for the gathered weights to stay cheap.
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul
 GROUPED_FROM = ((8, 256), (16, 64))  # (min S, min T) pairs where grouped wins
-GATHERED_UP_TO = ((16, 32),)  # (min S, max T) pairs where gathered wins
+GATHERED_UP_TO = ((8, 32), (16, 64))  # (min S, max T) pairs where gathered wins
 
 
 def xla_strategy(num_tokens: int, num_slots: int) -> str:
