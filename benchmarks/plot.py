@@ -61,7 +61,7 @@ def plot_lora_vs_adapters(rows: list[dict], out: str) -> str:
                        label=f"base model, no LoRA ({label.split(' (')[0].split(',')[0]})")
     ax.set_xlabel("distinct adapters in the batch (0 = LoRA enabled, unused)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title("Multi-LoRA throughput vs adapters (CPU, one run)")
+    ax.set_title("Multi-LoRA throughput vs adapters (CPU; each mode vs its own base)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
