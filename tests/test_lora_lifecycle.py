@@ -317,3 +317,20 @@ def test_chaos_broken_adapters_fail_alone(llm, adapter_src, oracle, tmp_path):
     for r in reqs.values():
         if r.lora_int_id in engine.lora_manager.registry.entries:
             engine.remove_lora(r.lora_int_id)
+
+
+def test_add_lora_that_fails_to_read_leaves_nothing_behind(llm, adapter_src, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(adapter_src["a0"], str(tmp_path / "nan"))
+    weights = os.path.join(path, "adapter_model.safetensors")
+    tensors = load_file(weights)
+    first = sorted(tensors)[0]
+    tensors[first][0, 0] = float("nan")  # the header is fine: only a full read sees it
+    save_file(tensors, weights)
+    req = LoRARequest("nan", next(_ids), path)
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="Loading lora nan failed: .*NaN"):
+        engine.add_lora(req)
+    assert req.lora_int_id not in engine.lora_manager.registry.entries
+    assert "nan" not in engine.stats()["loras"]

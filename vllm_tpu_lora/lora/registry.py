@@ -115,7 +115,13 @@ class AdapterRegistry:
             self._touch(entry)
             return False
         if entry.staged is None:
-            self._set_host(entry, self._read(entry.request))
+            try:
+                host = self._read(entry.request)
+            except Exception:
+                if entry.refs == 0 and entry.loading is None and not entry.pinned:
+                    del self.entries[entry.request.lora_int_id]  # nothing else knows it
+                raise
+            self._set_host(entry, host)
         else:
             entry.staged.host = entry.staged.host or self._read(entry.staged.request)
         self._trim()
