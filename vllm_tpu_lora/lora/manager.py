@@ -126,7 +126,8 @@ class LoRAManager:
         return self.registry.cached_ids()
 
     def is_loaded(self, lora_id: int) -> bool:
-        return lora_id in self.registry.cached_ids()
+        entry = self.registry.entries.get(lora_id)
+        return entry is not None and entry.host is not None
 
     @property
     def num_host_loads(self) -> int:
@@ -169,14 +170,10 @@ class LoRAManager:
         """The slot image, written in place into one zeroed flat tensor: each slice
         zero-padded to max_rank, its scale folded into B (so the kernels need no scale)."""
         flat = torch.zeros(sum(math.prod(shape) for shape in self._shapes), dtype=self.dtype)
-        offset = 0
-        for name, i, a_shape, b_shape in self._layout:
+        views = _slot_views(flat, self._shapes)  # A, B, A, B, ... in _layout's order
+        for (name, i, _, _), a, b in zip(self._layout, views[0::2], views[1::2]):
             slices = lora.modules.get(name) if lora is not None else None
             w = slices[i] if slices else None
-            a = flat[offset:offset + math.prod(a_shape)].view(a_shape)
-            offset += a.numel()
-            b = flat[offset:offset + math.prod(b_shape)].view(b_shape)
-            offset += b.numel()
             if w is not None:
                 r = w.lora_a.shape[0]
                 a[:r] = w.lora_a
@@ -248,12 +245,8 @@ class LoRAManager:
             if self._write_graph is _write_slot_images:
                 platform.sync()  # traced lazily (enforce_eager): run it now, on its own
             return
-        offset = 0
-        for buf, shape in zip(buffers, self._shapes):
-            n = math.prod(shape)
-            image = host.flat[offset:offset + n].view(1, *shape).to(device)
-            buf.index_copy_(0, self._slot_index[slot], image)
-            offset += n
+        for buf, image in zip(buffers, _slot_views(host.flat, self._shapes)):
+            buf.index_copy_(0, self._slot_index[slot], image[None].to(device))
         platform.sync()
 
     def warmup_adapter(self) -> HostAdapter:
@@ -289,9 +282,16 @@ class LoRAManager:
 def _write_slot_images(buffers: list[torch.Tensor], flat: torch.Tensor, slot: torch.Tensor,
                        shapes: list[tuple]) -> list:
     """The slot-write graph: each buffer's slice of `flat` into row `slot` (in place)."""
-    offset = 0
-    for buf, shape in zip(buffers, shapes):
-        n = math.prod(shape)
-        buf.index_copy_(0, slot, flat[offset:offset + n].view(1, *shape))
-        offset += n
+    for buf, image in zip(buffers, _slot_views(flat, shapes)):
+        buf.index_copy_(0, slot, image[None])
     return []
+
+
+def _slot_views(flat: torch.Tensor, shapes: list[tuple]) -> list[torch.Tensor]:
+    """A slot image split into its buffers' slots: consecutive views of `flat`, shaped."""
+    views, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        views.append(flat[offset:offset + n].view(shape))
+        offset += n
+    return views

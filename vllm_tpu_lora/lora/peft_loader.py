@@ -131,11 +131,10 @@ def adapter_fingerprint(path: str) -> tuple | None:
 def _header_tensors(file: str) -> dict[str, torch.Tensor]:
     """The safetensors file's tensors as meta tensors (names, shapes, dtypes; no data)."""
     with safe_open(file, framework="pt") as f:
-        return {k: torch.empty(f.get_slice(k).get_shape(),
-                               dtype=_SAFETENSORS_DTYPES.get(f.get_slice(k).get_dtype(),
-                                                             torch.float32),
-                               device="meta")
-                for k in f.keys()}
+        slices = {k: f.get_slice(k) for k in f.keys()}
+        return {k: torch.empty(sl.get_shape(), device="meta",
+                               dtype=_SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.float32))
+                for k, sl in slices.items()}
 
 
 def _read_weights(path: str, header_only: bool = False) -> dict[str, torch.Tensor]:

@@ -43,10 +43,6 @@ MAX_LOADS_IN_FLIGHT = 2
 class LoRALoadError(ValueError):
     """An adapter could not be loaded for a request that was already queued."""
 
-    @property
-    def not_found(self) -> bool:
-        return "No adapter found" in str(self)
-
 
 @dataclass
 class _Staged:
