@@ -72,6 +72,14 @@ def test_empty_prompt(llama_llm):
     _still_serves(llama_llm)
 
 
+@pytest.mark.parametrize("salt", ["", 7])
+def test_bad_cache_salt(llama_llm, salt):
+    with pytest.raises(ValueError, match="'cache_salt' must be a non-empty string"):
+        llama_llm.generate({"prompt_token_ids": [5, 6], "cache_salt": salt}, GREEDY,
+                           use_tqdm=False)
+    _still_serves(llama_llm)
+
+
 def test_out_of_vocab_token(llama_llm):
     with pytest.raises(ValueError, match="out of vocabulary"):
         llama_llm.generate({"prompt_token_ids": [1, 10**6]}, GREEDY, use_tqdm=False)

@@ -104,3 +104,71 @@ def test_finish_releases_blocks_from_running_and_waiting():
     sched.finish(a, SequenceStatus.FINISHED_ABORTED)
     sched.finish(b, SequenceStatus.FINISHED_ABORTED)
     assert bm.num_free_blocks == 15 and not sched.has_unfinished()
+
+
+def _kv_identity(seq: Sequence, pos: int) -> tuple:
+    """What the K/V at `pos` of `seq` depends on: its weights, salt and tokens up to pos."""
+    tokens = seq.prompt_token_ids + seq.output_token_ids
+    return seq.lora_int_id, seq.cache_salt, hash(tuple(tokens[:pos + 1]))
+
+
+def test_prefix_caching_fuzz_never_serves_wrong_kv_and_never_leaks():
+    """Thousands of random add/abort/finish events over shared prefixes, 3 adapters, salts,
+    preemption and resets, against a shadow KV cache: every token a step reads must have
+    been written by a sequence with the same adapter, salt and tokens; no step writes a slot
+    another sequence reads; at the end every block is free."""
+    import random
+
+    rng = random.Random(0)
+    bm = BlockManager(16, 4, enable_caching=True)
+    sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=16, max_loras=2)
+    prefixes = [[rng.randrange(1, 50) for _ in range(n)] for n in (5, 8, 14)]
+    kv: dict[int, tuple] = {}
+    live: list[Sequence] = []
+    events = 0
+    for step in range(1500):
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            lora = rng.choice((0, 0, 1, 2, 3))
+            seq = Sequence(f"r{events}", 0, rng.choice(prefixes) + [rng.randrange(1, 50) for _ in
+                           range(rng.choice((0, 0, 1, 3, 6)))],
+                           SamplingParams(max_tokens=rng.randrange(1, 9)), 0,
+                           LoRARequest(f"a{lora}", lora, "/x") if lora else None,
+                           cache_salt=rng.choice((None, None, "s")))
+            sched.add(seq)
+            live.append(seq)
+            events += 1
+        if live and rng.random() < 0.08:
+            victim = live.pop(rng.randrange(len(live)))
+            sched.finish(victim, SequenceStatus.FINISHED_ABORTED)
+            events += 1
+        if rng.random() < 0.005:
+            bm.reset_prefix_cache()
+        out = sched.schedule()
+        reads, writes = set(), []
+        for s in out.scheduled:
+            assert s.num_tokens >= 1  # a full hit still computes the last token, to sample
+            for pos in range(s.start):
+                slot = bm.slot(s.seq, pos)
+                assert kv.get(slot) == _kv_identity(s.seq, pos), f"step {step}: wrong KV"
+                reads.add(slot)
+            writes += [(bm.slot(s.seq, p), _kv_identity(s.seq, p))
+                       for p in range(s.start, s.start + s.num_tokens)]
+        assert len({w for w, _ in writes}) == len(writes) and not reads & {w for w, _ in writes}
+        kv.update(writes)
+        sched.update(out)
+        for s in out.scheduled:
+            if s.samples:
+                s.seq.output_token_ids.append(rng.randrange(1, 50))
+                if s.seq.num_output_tokens >= s.seq.params.max_tokens:
+                    sched.finish(s.seq, SequenceStatus.FINISHED_LENGTH)
+                    live.remove(s.seq)
+                    events += 1
+        held = [b for seq in sched.running for b in seq.block_ids]
+        assert all(bm._refs[b] == held.count(b) for b in set(held))
+        assert bm.num_free_blocks + len(set(held)) == bm.num_usable_blocks
+    for seq in live:
+        sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    assert events > 2000
+    assert bm.num_free_blocks == bm.num_usable_blocks and not any(bm._refs)
+    hits = sum(h for _, h in sched.prefix_cache_stats.values())
+    assert hits > 1000 and sched.num_preemptions > 10, (hits, sched.num_preemptions)

@@ -97,6 +97,7 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -194,6 +195,7 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    enable_prefix_caching: bool = True  # on by default, as in vLLM V1
     tensor_parallel_size: int = 1
     enable_lora: bool = False
     max_loras: int = 1
@@ -244,6 +246,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -40,6 +40,9 @@ class LLM:
             c, add_generation_prompt=add_generation_prompt, tokenize=True))} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
     def _add_all(self, prompts, params, loras) -> list[str]:
         engine, ids = self.llm_engine, []
         try:

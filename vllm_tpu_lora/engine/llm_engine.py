@@ -52,7 +52,8 @@ class LLMEngine:
         num_layers = mc.hf_config["num_hidden_layers"]
         slot_elems = sum(int(np.prod(shape)) for shape in model.kv_cache_shapes(1))
         num_blocks = self._num_kv_blocks(num_layers, slot_elems, dtype.itemsize)
-        self.block_manager = BlockManager(num_blocks, cc.block_size)
+        self.block_manager = BlockManager(num_blocks, cc.block_size,
+                                          enable_caching=cc.enable_prefix_caching)
         lc = config.lora_config
         self.lora_manager, punica = self._setup_lora(model, dtype) if lc else (None, None)
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
@@ -114,6 +115,13 @@ class LLMEngine:
 
     # ---- requests ----
 
+    @staticmethod
+    def _cache_salt(prompt: PromptType) -> str | None:
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        return salt
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
@@ -146,12 +154,13 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id} already running.")
         text, ids = self._tokenize(prompt)
+        salt = self._cache_salt(prompt)
         self._validate_prompt(ids)
         self._check_lora_request(lora_request)
         seqs = []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else int(self._rng.integers(2**62))
-            seq = Sequence(request_id, i, ids, params, seed, lora_request)
+            seq = Sequence(request_id, i, ids, params, seed, lora_request, cache_salt=salt)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             seqs.append(seq)
         self._requests[request_id] = RequestState(request_id, text, ids, seqs, lora_request)
@@ -206,6 +215,13 @@ class LLMEngine:
 
     def pin_lora(self, lora_id: int) -> bool:
         return self._require_lora().pin_lora(lora_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached KV blocks (vLLM's name). Sequences keep the blocks they hold;
+        nothing computed so far is matched again."""
+        dropped = self.block_manager.reset_prefix_cache()
+        logger.info("prefix cache reset (%d cached blocks dropped)", dropped)
+        return True
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -290,7 +306,16 @@ class LLMEngine:
                          1 for s in self.scheduler.waiting if s.lora_int_id)}
             if per_adapter:
                 extra["loras"] = lm.adapter_stats(self.scheduler.waiting_per_lora())
+                for a in extra["loras"].values():
+                    queries, hits = self.scheduler.prefix_cache_stats.get(a["lora_int_id"], (0, 0))
+                    a["prefix_cache_queries"], a["prefix_cache_hits"] = queries, hits
+        bm, by_lora = self.block_manager, self.scheduler.prefix_cache_stats.values()
         return {**extra,
+            "enable_prefix_caching": bm.enable_caching,
+            "prefix_cache_queries": sum(q for q, _ in by_lora),
+            "prefix_cache_hits": sum(h for _, h in by_lora),
+            "num_cached_kv_blocks": bm.num_cached_blocks,
+            "prefix_cache_evictions": bm.num_cache_evictions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_free_kv_blocks": self.block_manager.num_free_blocks,

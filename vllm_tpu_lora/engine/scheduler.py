@@ -13,6 +13,13 @@ host copy is in memory (the manager's loader reads it in the background: a step 
 touches the disk); it takes a reference on admission and drops it when it finishes, and
 the manager never evicts an adapter a running sequence uses. A request waiting for its
 adapter to load does not hold up the queue behind it.
+
+Prefix caching (when the block manager has it on): a sequence admitted from the queue
+first takes the longest run of cached blocks its known tokens hash to, under its adapter's
+weights and cache_salt, and computes only the rest; the last known token is always
+computed, so a token can be sampled. A preempted sequence comes back the same way, often
+finding its own blocks still cached. After each step the blocks a sequence completed are
+registered for the ones that follow.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vllm_tpu_lora.engine.block_manager import BlockManager
+from vllm_tpu_lora.engine.prefix_hash import block_hashes, root_hash
 from vllm_tpu_lora.engine.sequence import Sequence, SequenceStatus
 
 STARVATION_STEPS = 8
@@ -71,6 +79,8 @@ class Scheduler:
         self._head_skips = 0
         self.num_preemptions = 0
         self._holds_ref: set[int] = set()  # seq_ids holding an adapter reference
+        # lora_int_id (0: base model) -> [prompt tokens looked up, of those found cached]
+        self.prefix_cache_stats: dict[int, list[int]] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -130,33 +140,68 @@ class Scheduler:
         lora_ids = self.running_lora_ids()
         skipped: list[Sequence] = []
         starved = False  # a sequence was passed over for want of an adapter slot
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and len(skipped) < MAX_SKIPPED_PER_STEP):
-            seq = self.waiting[0]
-            if not self._lora_ready(seq):  # its adapter is still loading: not its turn yet
-                skipped.append(self.waiting.popleft())
-                continue
-            if not self._lora_admissible(seq, lora_ids):
-                if not starved and self._head_skips >= STARVATION_STEPS:
-                    break  # let the running adapters drain so this one gets a slot
-                starved = True
-                skipped.append(self.waiting.popleft())
-                continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.can_grow(seq, n):
-                break
-            self.waiting.popleft()
-            self.blocks.grow(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            if seq.lora_int_id:
-                lora_ids.add(seq.lora_int_id)
-                self._take_ref(seq)
-                self._set_running(seq, +1)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-            budget -= n
-        self._head_skips = self._head_skips + 1 if starved else 0
-        self.waiting.extendleft(reversed(skipped))
+        try:
+            while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+                   and len(skipped) < MAX_SKIPPED_PER_STEP):
+                seq = self.waiting[0]
+                if not self._lora_ready(seq):  # its adapter is still loading: not its turn yet
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if not self._lora_admissible(seq, lora_ids):
+                    if not starved and self._head_skips >= STARVATION_STEPS:
+                        break  # let the running adapters drain so this one gets a slot
+                    starved = True
+                    skipped.append(self.waiting.popleft())
+                    continue
+                cached = self._cached_prefix(seq)
+                start = len(cached) * self.blocks.block_size
+                n = min(seq.num_tokens - start, budget)
+                if not self.blocks.can_take(seq, cached, start + n):
+                    break
+                self.waiting.popleft()
+                if self.blocks.enable_caching:
+                    self.blocks.take(seq, cached)
+                    seq.num_computed_tokens = start
+                    self._count_lookup(seq, start)
+                self.blocks.grow(seq, start + n)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                if seq.lora_int_id:
+                    lora_ids.add(seq.lora_int_id)
+                    self._take_ref(seq)
+                    self._set_running(seq, +1)
+                out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+                budget -= n
+        finally:  # whatever happens, no sequence passed over drops out of the queue
+            self._head_skips = self._head_skips + 1 if starved else 0
+            self.waiting.extendleft(reversed(skipped))
+
+    # ---- prefix caching ----
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        if seq.lora_int_id and self.loras is not None:
+            key = self.loras.weights_key(seq.lora_int_id)
+        else:
+            key = seq.lora_int_id or None
+        return block_hashes(seq, root_hash(key, seq.cache_salt), num_blocks,
+                            self.blocks.block_size)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks a waiting sequence can start from (never its last known token)."""
+        if not self.blocks.enable_caching:
+            return []
+        return self.blocks.cached_prefix(
+            self._hashes(seq, (seq.num_tokens - 1) // self.blocks.block_size))
+
+    def _count_lookup(self, seq: Sequence, hit_tokens: int) -> None:
+        counts = self.prefix_cache_stats.setdefault(seq.lora_int_id, [0, 0])
+        counts[0] += seq.num_tokens
+        counts[1] += hit_tokens
+
+    def _register_computed(self, seq: Sequence) -> None:
+        full = seq.num_computed_tokens // self.blocks.block_size
+        if full > seq.num_cached_blocks:
+            self.blocks.register_full_blocks(seq, self._hashes(seq, full))
 
     # ---- adapter references ----
 
@@ -189,6 +234,8 @@ class Scheduler:
         """Account the computed tokens of a step that has run."""
         for s in out.scheduled:
             s.seq.num_computed_tokens = s.start + s.num_tokens
+            if self.blocks.enable_caching:
+                self._register_computed(s.seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Stop `seq` (done or aborted) and release everything it holds."""

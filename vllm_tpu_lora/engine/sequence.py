@@ -45,6 +45,12 @@ class Sequence:
     detok: Any = None  # IncrementalDetokenizer, set by the engine
     first_token_time: float | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None  # only requests with the same salt share cached KV
+    # Prefix caching: hashes of the full blocks so far, the root they chain from, and how
+    # many of the leading blocks are registered in (or were taken from) the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    hash_root: bytes | None = None
+    num_cached_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +64,9 @@ class Sequence:
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
 
     @property
     def is_finished(self) -> bool:
@@ -76,5 +84,6 @@ class Sequence:
         """Preempted: its blocks are gone, so prompt and output so far are recomputed."""
         self.num_computed_tokens = 0
         self.block_ids = []
+        self.num_cached_blocks = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1

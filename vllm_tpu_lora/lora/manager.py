@@ -148,6 +148,11 @@ class LoRAManager:
     def release(self, lora_id: int) -> None:
         self.registry.release(lora_id)
 
+    def weights_key(self, lora_id: int) -> tuple[int, int]:
+        """The identity of the weights a sequence admitted now runs on: the id and a version
+        that changes on every reload (what the prefix cache keys KV blocks by)."""
+        return lora_id, self.registry.entries[lora_id].weights_version
+
     def set_running(self, lora_id: int, delta: int) -> None:
         entry = self.registry.entries.get(lora_id)
         if entry is not None:

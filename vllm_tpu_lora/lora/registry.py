@@ -22,6 +22,7 @@ The rules (the device-slot side lives in manager.LoRAManager):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -38,6 +39,10 @@ logger = logging.getLogger(__name__)
 # Adapters read at once by the background loader. One thread is enough to hide the reads
 # behind steps; more would only compete with the step for the host's cores.
 MAX_LOADS_IN_FLIGHT = 2
+
+# Process-wide, never reused: the prefix cache keys KV blocks by (id, weights version), and
+# an adapter removed and added again under the same id may bring other weights.
+_weights_versions = itertools.count(1)
 
 
 class LoRALoadError(ValueError):
@@ -60,6 +65,8 @@ class AdapterEntry:
     running: int = 0  # of those, sequences in the running set (device slot protected)
     pinned: bool = False
     generation: int = 0  # bumped whenever the weights under this id change
+    # Names the weights themselves (new on every reload): what cached KV is keyed by.
+    weights_version: int = field(default_factory=lambda: next(_weights_versions))
     last_used: int = 0
     loading: Future | None = None
     loading_generation: int = 0  # the generation the read in flight is for
@@ -282,6 +289,7 @@ class AdapterRegistry:
         entry.request, entry.fingerprint = staged.request, staged.fingerprint
         entry.host = staged.host
         entry.generation += 1
+        entry.weights_version = next(_weights_versions)
         self._on_weights_changed(entry.request.lora_int_id)
         if entry.host is not None:
             self._touch(entry)
