@@ -177,3 +177,14 @@ def test_serve_subcommand_and_api_key_env(monkeypatch):
     assert args.lora_backend == "xla" and args.func.__name__ == "_serve"
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     assert api_key_from_env() == "from-env"
+
+
+def test_prefix_caching_flag_defaults_on_and_can_be_turned_off():
+    from vllm_tpu_lora.entrypoints.cli import build_parser, engine_kwargs
+
+    parse = build_parser().parse_args
+    assert engine_kwargs(parse(["serve", "/m"]))["enable_prefix_caching"] is True
+    assert engine_kwargs(parse(["serve", "/m", "--no-enable-prefix-caching"]))[
+        "enable_prefix_caching"] is False
+    assert engine_kwargs(parse(["serve", "/m", "--enable-prefix-caching"]))[
+        "enable_prefix_caching"] is True

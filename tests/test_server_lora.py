@@ -146,6 +146,49 @@ def post(server, path, body):
     return httpx.post(server.url + path, json=body, timeout=60)
 
 
+def test_prefix_cache_salt_reset_and_metrics(server, client, offline, adapters):
+    """Repeated prompts hit the prefix cache per adapter; cache_salt (both endpoints) keeps
+    tenants apart; /reset_prefix_cache forgets; vLLM's counters are on /metrics."""
+    prompt = list(range(20, 61))  # 41 tokens: 2 full 16-token blocks are reusable
+    [exp] = offline.generate({"prompt_token_ids": prompt}, greedy(4),
+                             lora_request=lora(adapters, "a1", 2), use_tqdm=False)
+
+    def complete(**extra):
+        before = server.stats()
+        got = client.completions.create(model="a1", prompt=prompt, max_tokens=4, temperature=0,
+                                        extra_body=extra or None)
+        assert got.choices[0].text == exp.outputs[0].text
+        after = server.stats()
+        return (after["prefix_cache_hits"] - before["prefix_cache_hits"],
+                after["loras"]["a1"]["prefix_cache_hits"]
+                - before["loras"]["a1"]["prefix_cache_hits"])
+
+    complete()
+    assert complete() == (32, 32)
+    assert complete(cache_salt="tenant-1") == (0, 0)
+    assert complete(cache_salt="tenant-1") == (32, 32)
+    assert complete(cache_salt="tenant-2") == (0, 0)
+    messages = [{"role": "user", "content": "Summarise the design of the compiler in detail, "
+                 "with every pass, its inputs, its outputs and the invariants it keeps."}]
+    hits = []
+    for _ in range(2):
+        before = server.stats()["prefix_cache_hits"]
+        client.chat.completions.create(model="a1", messages=messages, max_tokens=2,
+                                       temperature=0, extra_body={"cache_salt": "chat"})
+        hits.append(server.stats()["prefix_cache_hits"] - before)
+    assert hits[0] == 0 and hits[1] >= 16
+    bad = post(server, "/v1/completions", {"model": "a1", "prompt": "x", "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+    assert "'cache_salt' must be a non-empty string" in bad.json()["error"]["message"]
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=60).status_code == 200
+    assert server.stats()["num_cached_kv_blocks"] == 0
+    assert complete() == (0, 0)
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 'vllm_tpu_lora:lora_prefix_cache_hits_total{lora_name="a1"}'):
+        assert name in metrics, name
+
+
 def test_runtime_load_use_unload(server, client, offline, adapters):
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "extra", "lora_path": adapters["extra"]})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'extra' added successfully."

@@ -207,6 +207,9 @@ class AsyncLLMEngine:
         """Free the adapter; if running requests still use it, it is freed once they end."""
         return await self._call(lambda e: self._worker.remove_lora(e, lora_int_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(lambda e: engine_method(e, "reset_prefix_cache")())
+
     async def list_loras(self) -> set[int]:
         return await self._call(lambda e: set(engine_method(e, "list_loras")()))
 

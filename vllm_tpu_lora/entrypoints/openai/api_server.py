@@ -147,6 +147,13 @@ def build_app(engine, models: OpenAIServingModels, completion: OpenAIServingComp
         """Debug: the engine's stats() snapshot as JSON (what /metrics is built from)."""
         return JSONResponse(engine.stats())
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's: forget every cached KV block (e.g. after changing an adapter's files
+        outside the server's knowledge, or to benchmark cold). Requests in flight continue."""
+        await engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.get("/v1/models")
     async def list_models():
         return JSONResponse(models.show_available_models().model_dump())

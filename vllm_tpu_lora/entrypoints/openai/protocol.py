@@ -94,6 +94,8 @@ class SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Only requests with the same salt share prefix-cached KV (vLLM's multi-tenant isolation).
+    cache_salt: str | None = None
 
     def unsupported(self) -> list[str]:
         """Known parameters set to a value this engine cannot honour."""

@@ -55,7 +55,7 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, len(ids), max_tokens, logprobs, "messages")
         request_id = random_id("chatcmpl")
-        streams = await self.start(request_id, [(None, ids)], [params], lora)
+        streams = await self.start(request_id, [(None, ids)], [params], lora, request.cache_salt)
         created = int(time.time())
         if request.stream:
             return self._stream(request, request_id, created, model_name, streams, params,

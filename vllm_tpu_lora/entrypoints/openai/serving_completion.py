@@ -35,7 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self.sampling_params(request, len(ids), request.max_tokens, request.logprobs,
                                        "prompt") for _, ids in prompts]
         request_id = random_id("cmpl")
-        streams = await self.start(request_id, prompts, params, lora)
+        streams = await self.start(request_id, prompts, params, lora, request.cache_salt)
         ctx = _Ctx(request, request_id, model_name, prompts, self.tokenizer)
         if request.stream:
             return self._stream(ctx, streams, params, arrival)

@@ -47,6 +47,9 @@ class OpenAIServing:
         bad = request.unsupported()
         if bad:
             raise APIError(f"'{bad[0]}' is not supported by this server.", param=bad[0])
+        if request.cache_salt is not None and not request.cache_salt:
+            raise APIError("Parameter 'cache_salt' must be a non-empty string if provided.",
+                           param="cache_salt")
         return self.models.resolve(request.model)
 
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
@@ -78,11 +81,13 @@ class OpenAIServing:
     # ---- running requests ----
 
     async def start(self, request_id: str, prompts: list[Prompt],
-                    params: list[SamplingParams], lora) -> list[RequestStream]:
+                    params: list[SamplingParams], lora,
+                    cache_salt: str | None = None) -> list[RequestStream]:
         """Add one engine request per prompt, all or nothing."""
         results = await asyncio.gather(
-            *(self.engine.add_request(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids},
-                                      p, lora)
+            *(self.engine.add_request(f"{request_id}-{i}",
+                                      {"prompt": text, "prompt_token_ids": ids,
+                                       "cache_salt": cache_salt}, p, lora)
               for i, ((text, ids), p) in enumerate(zip(prompts, params))),
             return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
