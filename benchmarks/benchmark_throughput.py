@@ -54,13 +54,13 @@ def parse_args() -> argparse.Namespace:
     return apply_small(p.parse_args())
 
 
-def make_model(args, out_dir: str) -> str:
+def make_model(args, out_dir: str, max_position_embeddings: int = 1024) -> str:
     from vllm_tpu_lora.testing.factory import make_tiny_llama
 
     return make_tiny_llama(out_dir, hidden_size=args.hidden, num_layers=args.layers,
                            num_heads=args.heads, num_kv_heads=args.kv_heads,
                            intermediate_size=args.intermediate, vocab_size=args.vocab,
-                           max_position_embeddings=1024, seed=args.seed)
+                           max_position_embeddings=max_position_embeddings, seed=args.seed)
 
 
 def make_workload(args) -> list[tuple[list[int], int]]:
