@@ -47,6 +47,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The checkpoint modules LoRA can target (vLLM's default target modules for these models).
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                        "down_proj")
+# Modules a checkpoint may hold packed (Phi-3): listing one allows all of its parts.
+LORA_PACKED_TARGET_MODULES = ("qkv_proj", "gate_up_proj")
 
 
 @dataclass(frozen=True)
@@ -137,10 +139,11 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if not self.target_modules:
             object.__setattr__(self, "target_modules", LORA_TARGET_MODULES)
-        unknown = sorted(set(self.target_modules) - set(LORA_TARGET_MODULES))
+        known = LORA_TARGET_MODULES + LORA_PACKED_TARGET_MODULES
+        unknown = sorted(set(self.target_modules) - set(known))
         if unknown:
             raise ValueError(f"lora_target_modules {unknown} are not supported; choose from "
-                             f"{list(LORA_TARGET_MODULES)}")
+                             f"{list(known)}")
         object.__setattr__(self, "target_modules", tuple(dict.fromkeys(self.target_modules)))
         if self.max_loras < 1:
             raise ValueError(f"max_loras ({self.max_loras}) must be >= 1.")

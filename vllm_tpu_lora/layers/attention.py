@@ -64,8 +64,12 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     block_size: int,
     scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Gather-based attention in plain torch ops: what XLA compiles on CPU."""
+    """Gather-based attention in plain torch ops: what XLA compiles on CPU.
+    sliding_window W: a query at position p sees keys p-W+1..p (HF's and the TPU kernel's
+    rule); soft_cap c: scores become c * tanh(scores / c) before masking (Gemma2)."""
     t, h, d = q.shape
     hkv = kv_cache[0].shape[1]
     group = h // hkv
@@ -75,7 +79,12 @@ def paged_attention_reference(
                     for c in kv_cache)  # [NQB, L, Hkv, D]
     qg = q[meta.q_block_token_idx].reshape(nqb, qb, hkv, group, d).to(torch.float32)
     scores = torch.einsum("bqkgd,blkd->bkgql", qg, keys.to(torch.float32)) * scale
-    visible = torch.arange(ctx, device=q.device) < meta.q_block_kv_lens[..., None]  # [NQB,Q,L]
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    key_pos = torch.arange(ctx, device=q.device)
+    visible = key_pos < meta.q_block_kv_lens[..., None]  # [NQB, Q, L]
+    if sliding_window is not None:
+        visible = visible & (key_pos >= meta.q_block_kv_lens[..., None] - sliding_window)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgql,blkd->bqkgd", probs, values.to(torch.float32))
@@ -83,8 +92,10 @@ def paged_attention_reference(
     return out.to(q.dtype)
 
 
-def paged_attention_tpu(q, kv_cache, meta: AttentionMetadata, block_size: int, scale: float):
-    """torch_xla's ragged paged attention Pallas kernel (TPU only)."""
+def paged_attention_tpu(q, kv_cache, meta: AttentionMetadata, block_size: int, scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None):
+    """torch_xla's ragged paged attention Pallas kernel (TPU only); it applies the sliding
+    window and soft cap itself, with the same rules as the reference above."""
     from torch_xla.experimental.custom_kernel import ragged_paged_attention
 
     t, h, d = q.shape
@@ -97,6 +108,8 @@ def paged_attention_tpu(q, kv_cache, meta: AttentionMetadata, block_size: int, s
         meta.cu_q_lens,
         meta.num_seqs,
         sm_scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     return out.reshape(t, h * d)
 

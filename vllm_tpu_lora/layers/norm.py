@@ -17,3 +17,13 @@ class RMSNorm(nn.Module):
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's: the checkpoint stores weight - 1, the scale is (1 + weight), and the product
+    is taken in float32 before the cast back (HF's order, which matters in bfloat16)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.to(torch.float32))).to(x.dtype)

@@ -21,6 +21,19 @@ LORA_TARGETS = {
 }
 
 
+def module_allowed(name: str, target_modules) -> bool:
+    """Whether LoRA may adapt checkpoint module `name` (a leaf such as "q_proj", or a packed
+    one such as Phi-3's "qkv_proj") under lora_target_modules: it is listed; or it is packed
+    and all its parts are listed; or it is a part of a listed packed module."""
+    if name in target_modules:
+        return True
+    parts = LORA_TARGETS.get(name, [])
+    if len(parts) > 1 and all(p in target_modules for p in parts):
+        return True
+    return any(name in ps and packed in target_modules
+               for packed, ps in LORA_TARGETS.items() if len(ps) > 1)
+
+
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, punica: PunicaWrapper, max_loras: int,
                  max_rank: int, dtype: torch.dtype) -> None:
@@ -74,7 +87,8 @@ def wrap_lora_layers(model: nn.Module, punica: PunicaWrapper, max_loras: int, ma
     wanted = set(target_modules) if target_modules else None
     targets = [name for name, mod in model.named_modules()
                if name.rsplit(".", 1)[-1] in LORA_TARGETS and hasattr(mod, "out_features")
-               and (wanted is None or wanted & set(LORA_TARGETS[name.rsplit(".", 1)[-1]]))]
+               and (wanted is None or any(module_allowed(m, wanted) for m in
+                                          [name.rsplit(".", 1)[-1], *LORA_TARGETS[name.rsplit(".", 1)[-1]]]))]
     wrapped = {}
     for name in targets:
         parent_name, attr = name.rsplit(".", 1)

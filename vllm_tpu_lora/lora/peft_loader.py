@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from vllm_tpu_lora.lora.layers import module_allowed
 from vllm_tpu_lora.lora.models import LoRAModel, LoRASliceWeights
 
 __all__ = ["LoRAModel", "LoRASliceWeights", "adapter_fingerprint", "load_peft_adapter"]
@@ -47,10 +48,14 @@ class _Invalid(Exception):
 class _Target(NamedTuple):
     """Where one PEFT module (e.g. model.layers.0.self_attn.k_proj) lives in our model."""
     module: str  # our module name (model.layers.0.self_attn.qkv_proj)
-    slice: int
+    slice: int  # WHOLE: all slices of a module packed in the checkpoint (Phi-3's qkv_proj)
     num_slices: int
     in_features: int
-    out_features: int  # of this slice
+    out_features: int  # of this slice (of the whole module for WHOLE)
+    sizes: tuple[int, ...] = ()  # WHOLE: the module's slice sizes
+
+
+WHOLE = -1
 
 
 def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
@@ -82,7 +87,8 @@ def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype
     tensors = _read_weights(path, header_only)
     targets = _model_targets(model)
     if target_modules:
-        targets = {k: v for k, v in targets.items() if k.rsplit(".", 1)[-1] in target_modules}
+        targets = {k: v for k, v in targets.items()
+                   if module_allowed(k.rsplit(".", 1)[-1], target_modules)}
     pairs = _group_tensors(tensors, targets, cfg, path)
     modules = _build_modules(pairs, targets, cfg, dtype)
     rank = max(s.rank for slices in modules.values() for s in slices if s is not None)
@@ -258,6 +264,9 @@ def _model_targets(model: nn.Module) -> dict[str, _Target]:
             for i, part in enumerate(parts):
                 targets[f"{prefix}.{part}"] = _Target(name, i, len(parts), base.in_features,
                                                       sizes[i])
+        elif hasattr(base, "output_sizes"):  # packed in the checkpoint: PEFT adapts it whole
+            sizes = tuple(base.output_sizes)
+            targets[name] = _Target(name, WHOLE, len(sizes), base.in_features, sum(sizes), sizes)
         elif leaf in _UNPACKED:
             targets[name] = _Target(name, 0, 1, base.in_features, base.out_features)
     return targets
@@ -332,7 +341,13 @@ def _build_modules(pairs, targets: dict[str, _Target], cfg: dict,
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         a, b = _finite(name, "lora_A", a, dtype), _finite(name, "lora_B", b, dtype)
         slices = modules.setdefault(target.module, [None] * target.num_slices)
-        slices[target.slice] = LoRASliceWeights(lora_a=a, lora_b=b, scale=float(scale))
+        if target.slice == WHOLE:
+            # One A for the packed output, B's rows per slice: slice i's delta is
+            # B_i @ A @ x, exactly the packed module's delta split at the slice boundaries.
+            for i, b_i in enumerate(b.split(list(target.sizes), dim=0)):
+                slices[i] = LoRASliceWeights(lora_a=a, lora_b=b_i.contiguous(), scale=float(scale))
+        else:
+            slices[target.slice] = LoRASliceWeights(lora_a=a, lora_b=b, scale=float(scale))
     return modules
 
 

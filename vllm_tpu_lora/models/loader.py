@@ -75,7 +75,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         if dest.shape != tensor.shape:
             raise ValueError(f"Shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(dest.shape)}")
         dest.copy_(tensor.to(dest.dtype))
-        loaded.add(f"{target}#{packed[1] if packed else 0}")
+        if packed:
+            loaded.add(f"{target}#{packed[1]}")
+        else:  # a whole tensor, packed already in the checkpoint (Phi-3) or not packed
+            module = model.get_submodule(target.rsplit(".", 1)[0])
+            loaded.update(f"{target}#{s}" for s in range(len(getattr(module, "output_sizes", [0]))))
     _check_all_loaded(model, params, loaded)
 
 

@@ -31,14 +31,15 @@ class HeadParallelAttention:
         mesh, spec = self.tpm.spec(t.dim(), dim, groups)
         return xs.enable_manual_sharding(t, spec, mesh=mesh).global_tensor
 
-    def __call__(self, q, kv_cache: tuple, meta, block_size: int, scale: float):
+    def __call__(self, q, kv_cache: tuple, meta, block_size: int, scale: float, **options):
+        """options (sliding_window, soft_cap) act per head: passed through unchanged."""
         import torch_xla.distributed.spmd as xs
 
         q_local = self._enter(q, 1)
         kv_local = tuple(self._enter(c, 1, self.kv_groups) for c in kv_cache)
         meta_local = dataclasses.replace(meta, **{
             f.name: self._enter(getattr(meta, f.name), None) for f in dataclasses.fields(meta)})
-        out = self.fn(q_local, kv_local, meta_local, block_size, scale)  # [T, H / N * D]
+        out = self.fn(q_local, kv_local, meta_local, block_size, scale, **options)  # [T, H/N*D]
         mesh, spec = self.tpm.spec(out.dim(), out.dim() - 1)
         full = (*out.shape[:-1], out.shape[-1] * self.tpm.tp)
         return xs.disable_manual_sharding(out, spec, full, mesh=mesh).global_tensor

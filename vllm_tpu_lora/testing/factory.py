@@ -212,6 +212,46 @@ def make_tiny_qwen2(out_dir: str, *, hidden_size: int = 64, num_layers: int = 2,
     )
 
 
+# make_tiny_model: architecture -> (transformers model class name, config class name,
+# config fields that make the tiny model exercise what is special about the architecture).
+_TINY_ARCHS = {
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=8)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=16)),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig",
+              dict(head_dim=16, hidden_activation="gelu_pytorch_tanh")),
+    # Small caps and a query scale unlike head_dim**-0.5, so each visibly matters.
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
+               dict(head_dim=16, hidden_activation="gelu_pytorch_tanh", sliding_window=8,
+                    query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=10.0)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(sliding_window=12)),
+}
+
+
+def make_tiny_model(arch: str, out_dir: str, *, hidden_size: int = 64, num_layers: int = 2,
+                    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                    vocab_size: int = 512, tie_word_embeddings: bool | None = None,
+                    max_position_embeddings: int = 512, seed: int = 0,
+                    dtype: torch.dtype = torch.float32, shard_size: int | str | None = None,
+                    **config_overrides) -> str:
+    """A random-weight checkpoint of one of `_TINY_ARCHS` (Mistral with a sliding window,
+    Qwen3, Gemma, Gemma2, Phi-3) plus tokenizer, like make_tiny_llama.
+    tie_word_embeddings None keeps the architecture's default (Gemma ties)."""
+    import transformers
+
+    model_name, config_name, special = _TINY_ARCHS[arch]
+    kw = dict(special, **config_overrides)
+    if tie_word_embeddings is not None:
+        kw["tie_word_embeddings"] = tie_word_embeddings
+    return _make_model(
+        getattr(transformers, model_name), getattr(transformers, config_name), out_dir,
+        seed=seed, dtype=dtype, shard_size=shard_size, legacy_config=False,
+        rope_theta=10000.0, rope_scaling=None, initializer_range=None,
+        hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
+        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, **kw)
+
+
 def make_peft_adapter(base_dir: str, out_dir: str, *, r: int = 8, lora_alpha: int = 16,
                       target_modules: Sequence[str] | str = DEFAULT_TARGET_MODULES,
                       use_rslora: bool = False, rank_pattern: Mapping | None = None,
@@ -241,6 +281,10 @@ def make_peft_adapter(base_dir: str, out_dir: str, *, r: int = 8, lora_alpha: in
             for name, param in sorted(peft_model.named_parameters()):
                 if ".lora_A." in name or ".lora_B." in name:
                     param.normal_(0.0, init_std)
+                elif "lora_magnitude_vector" in name:
+                    # DoRA starts with m = ||W + s*BA|| (a no-op rescale): move it off that,
+                    # as training would, so the rescale is visible.
+                    param.mul_(1.0 + 0.2 * torch.randn_like(param))
     peft_model.save_pretrained(out_dir)
     _sort_target_modules(out_dir)
     return out_dir
