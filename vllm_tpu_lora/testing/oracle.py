@@ -30,11 +30,13 @@ class GreedyOutput:
     full_logprobs: np.ndarray  # [num_generated, vocab_size] float32
 
 
-def load_oracle_model(model_dir: str, adapter_dirs: Mapping[str, str] | None = None):
-    """HF model in float32 (eager attention), wrapped in a PeftModel holding every adapter
-    under its name when adapter_dirs is given."""
+def load_oracle_model(model_dir: str, adapter_dirs: Mapping[str, str] | None = None,
+                      dtype: torch.dtype = torch.float32):
+    """HF model in `dtype` (float32 unless a reduced-precision run is the point; eager
+    attention), wrapped in a PeftModel holding every adapter under its name when
+    adapter_dirs is given."""
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager")
+        model_dir, dtype=dtype, attn_implementation="eager")
     if adapter_dirs:
         from peft import PeftModel
 
@@ -67,10 +69,21 @@ def _pad_id(model) -> int:
 def _generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               max_new_tokens: int, adapter_names: Sequence[str | None] | None,
               ignore_eos: bool) -> list[GreedyOutput]:
-    kwargs = {}
+    kwargs, active = {}, contextlib.nullcontext()
     if hasattr(model, "peft_config"):
         names = adapter_names or [None] * input_ids.shape[0]
-        kwargs["adapter_names"] = [n or PEFT_BASE_NAME for n in names]
+        if any(getattr(c, "use_dora", False) for c in model.peft_config.values()):
+            # PEFT's mixed batch refuses DoRA: run the one adapter of the batch as the
+            # active adapter (or none), which is PEFT's ordinary forward.
+            if len(set(names)) != 1:
+                raise ValueError("with DoRA adapters loaded, batches must use one adapter "
+                                 "(hf_greedy runs one prompt at a time)")
+            if names[0] is None:
+                active = model.disable_adapter()
+            else:
+                model.set_adapter(names[0])
+        else:
+            kwargs["adapter_names"] = [n or PEFT_BASE_NAME for n in names]
     elif any(adapter_names or []):
         raise ValueError(f"adapter_names={adapter_names} but the model has no adapters loaded")
     eos = model.generation_config.eos_token_id
@@ -78,7 +91,7 @@ def _generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     # eos_token_id must go as a kwarg: a None inside a passed GenerationConfig is refilled
     # from model.generation_config, a None kwarg is not. No eos -> exactly max_new_tokens,
     # and the argmax may be eos (vLLM's ignore_eos semantics; min_new_tokens would mask it).
-    with torch.no_grad(), _single_thread():
+    with torch.no_grad(), _single_thread(), active:
         out = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
             max_new_tokens=max_new_tokens, eos_token_id=None if ignore_eos else eos,
