@@ -7,7 +7,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from tests.test_ops_vmem import CONFIGS, realistic_shapes
+from tests.test_ops_vmem import RANKS as REALISTIC_RANKS
 from vllm_tpu_lora.ops import bgmv_pallas
+from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
+from vllm_tpu_lora.ops.block_sizes import kernel_blocks
 from vllm_tpu_lora.ops.pallas_export import (
     KernelShape,
     export_for_tpu,
@@ -102,3 +106,71 @@ def test_mosaic_rejects_illegal_block_shapes(op, block, tile):
     checked_fn = functools.partial(checked, block=block, **{tile_kw: tile})
     with pytest.raises(ValueError, match=f"must divide|token block {block}"):
         export_for_tpu(checked_fn, (slots, *args))
+
+
+# ---- realistic configurations: Llama-3-8B, Qwen2.5-7B, Gemma-2-9B, ranks 8-256, bf16 ----
+
+
+def _realistic_kernels():
+    """Representative shapes of every distinct kernel of the three realistic configs
+    (tests/test_ops_vmem.py lists all their shapes: 7 LoRA linears, packed qkv and
+    gate_up slices, token buckets 16-512, slot buckets 1-8, ranks 8-256, bf16).
+
+    A kernel's body depends only on (op, width, rank, dtype, blocks); the buckets only
+    change T_pad, i.e. the grid length and the array shapes. So every distinct
+    (op, width, rank, dtype, blocks) is lowered at the smallest and at the largest
+    T_pad its shapes have, and every T_pad (all 24 bucket pairs) once per op at the
+    configs' widest width and largest rank: 176 lowerings (~33 ms each here) for the
+    1,584 distinct shapes, each distinct kernel body and grid length at least once."""
+    shapes = [s for name in CONFIGS for s in realistic_shapes(name)]
+    groups: dict[tuple, list[KernelShape]] = {}
+    for s in dict.fromkeys(shapes):
+        groups.setdefault((s.op, s.features, s.rank, s.dtype, _blocks(s)), []).append(s)
+    chosen = []
+    for group in groups.values():
+        by_rows = sorted(group, key=_t_pad)
+        chosen += [by_rows[0], by_rows[-1]]
+    widest = max(s.features for s in shapes)
+    chosen += [s for s in shapes if s.features == widest and s.rank == max(REALISTIC_RANKS)]
+    return list(dict.fromkeys(chosen)), groups
+
+
+def _blocks(s: KernelShape):
+    return kernel_blocks(s.op, s.features, s.rank, s.dtype)
+
+
+def _t_pad(s: KernelShape) -> int:
+    return padded_num_tokens(s.num_tokens, s.num_slots, _blocks(s).token_block)
+
+
+def test_realistic_configs_lower_for_tpu():
+    """jax.export lowering for TPU of every distinct kernel of the realistic configs
+    (see _realistic_kernels for what is covered)."""
+    chosen, groups = _realistic_kernels()
+    assert len(groups) == 11 * len(REALISTIC_RANKS)  # 4 shrink + 7 expand widths, 6 ranks
+    assert {(s.num_tokens, s.num_slots) for s in chosen} >= {
+        (t, n) for t in TOKEN_BUCKETS for n in SLOTS
+    }
+    for shape in chosen:
+        exported = export_shape(shape)
+        mlir = exported.mlir_module()
+        assert "tpu_custom_call" in mlir, _id(shape)
+        # They all fit Mosaic's default scoped VMEM: no explicit limit is passed
+        # (jax writes vmem_limit_bytes as the custom call's scoped_memory_configs).
+        assert "scoped_memory_configs" not in mlir, _id(shape)
+
+
+def test_explicit_vmem_limit_reaches_the_tpu_custom_call():
+    """An untileable width at rank 512 (f32) needs more than the default scoped VMEM:
+    the kernel lowers with the explicit limit of block_sizes.kernel_blocks."""
+    shape = KernelShape("shrink", 16, 1, 4100, 512, "float32")
+    limit = _blocks(shape).vmem_limit_bytes
+    assert limit is not None
+    mlir = export_shape(shape).mlir_module().replace("\\22", '"')  # MLIR escapes quotes
+    assert f'"scoped_memory_configs": [{{"memory_space":1, "offset": 0, "size": {limit}}}]' in mlir
+
+
+def test_kernel_refuses_blocks_over_the_vmem_ceiling():
+    fn, args = kernel_call(KernelShape("expand", 16, 1, 16388, 512, "float32"))
+    with pytest.raises(ValueError, match="expand_kernel: blocks .* more than the 48 MiB allowed"):
+        export_for_tpu(fn, args)

@@ -64,6 +64,8 @@ class LLMEngine:
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
             eos_token_id=self.eos_token_id, lora_manager=self.lora_manager, punica=punica,
             tp=self.tp, enforce_eager=mc.enforce_eager)
+        if punica is not None and punica.backend == "pallas":
+            self._check_kernel_budget(dtype)
         self._rng = np.random.default_rng(mc.seed)
         self._requests: dict[str, RequestState] = {}
         self._counter = itertools.count()
@@ -86,6 +88,19 @@ class LLMEngine:
                               dtype=lora_dtype, target_modules=lc.target_modules,
                               one_transfer=self.tp is None)
         return manager, punica
+
+    def _check_kernel_budget(self, dtype) -> None:
+        """Refuse, before compiling anything, a configuration whose Pallas LoRA kernels
+        cannot fit in TPU VMEM (ValueError naming the shape). Pure arithmetic: no jax."""
+        from vllm_tpu_lora.ops import vmem
+        from vllm_tpu_lora.ops.kernel_shapes import check_kernel_budget, lora_layer_kernel_shapes
+
+        layers = [(layer.in_features, layer.output_slices)
+                  for layer in self.lora_manager.layers.values()]
+        shapes = lora_layer_kernel_shapes(layers, self.runner.token_ladder,
+                                          self.runner.slot_ladder, self.lora_manager.max_rank,
+                                          str(dtype).rsplit(".", 1)[-1])
+        check_kernel_budget(shapes, vmem.VMEM_LIMIT_CEILING_BYTES)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

@@ -15,6 +15,11 @@ import torch
 from vllm_tpu_lora.ops import bgmv_xla
 from vllm_tpu_lora.ops.bgmv_xla import SegmentLayout, padded_num_tokens
 from vllm_tpu_lora.ops.block_sizes import token_block
+from vllm_tpu_lora.ops.kernel_shapes import (
+    KernelShape,
+    check_kernel_budget,
+    lora_layer_kernel_shapes,
+)
 
 BACKENDS = ("xla", "pallas")
 # Strategy of the xla backend: "onehot" won on XLA CPU except at N=8, R=16 where
@@ -23,10 +28,13 @@ XLA_STRATEGY = "onehot"
 
 __all__ = [
     "BACKENDS",
+    "KernelShape",
     "SegmentLayout",
     "bgmv_expand",
     "bgmv_expand_slice",
     "bgmv_shrink",
+    "check_kernel_budget",
+    "lora_layer_kernel_shapes",
     "make_segment_layout",
     "padded_num_tokens",
     "resolve_backend",

@@ -11,14 +11,21 @@ Unreferenced slots are never loaded, so NaN in them cannot leak.
 What the grid order really re-fetches (Pallas skips a DMA when a block index repeats
 from one grid step to the next):
 - shrink, grid (T_pad/B, D/block_d), D innermost: when D fits one tile (block_d = D,
-  the case for every width up to MAX_FEATURE_TILE) the adapter's [R, D] block index
-  repeats across the consecutive token blocks of one adapter, so it streams once per
-  adapter; when D is tiled, the index changes every step and the adapter's tiles are
-  re-fetched for each of its token blocks (R*D per block: small next to the x blocks).
+  the case for widths up to MAX_FEATURE_TILE unless the rank is large, see VMEM
+  below) the adapter's [R, D] block index repeats across the consecutive token
+  blocks of one adapter, so it streams once per adapter; when D is tiled, the index
+  changes every step and the adapter's tiles are re-fetched for each of its token
+  blocks (R*D per block: small next to the x blocks at ranks <= 64, comparable to
+  them or larger at rank 256-512).
 - expand, grid (O/block_o, T_pad/B), token blocks innermost: per O tile, each adapter's
   [block_o, R] tile is fetched once per run of its blocks, i.e. once per adapter per tile.
 Trailing padding blocks (block_slot = -1) re-point their index maps at the last valid
 block (no new DMA) and write zeros under pl.when.
+
+VMEM: the blocks come from block_sizes.kernel_blocks (the largest feature tile whose
+estimate fits Mosaic's default scoped limit, ops/vmem.py); a kernel whose blocks need
+more passes an explicit vmem_limit_bytes, computed from its actual blocks, and one
+needing more than vmem.VMEM_LIMIT_CEILING_BYTES is refused with a ValueError.
 
 `interpret=True` runs the same kernels on any backend (PJRT CPU); Mosaic on TPU.
 Only the matmuls are kernels; the permutation gathers and the scatter back stay
@@ -35,13 +42,14 @@ import torch
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from vllm_tpu_lora.ops import vmem
 from vllm_tpu_lora.ops.bgmv_xla import (
     SegmentLayout,
     check_shrink_shapes,
     expand_slice_size,
     scatter_back,
 )
-from vllm_tpu_lora.ops.block_sizes import feature_block
+from vllm_tpu_lora.ops.block_sizes import kernel_blocks
 
 
 def _fetch_block(i, nvalid_ref):
@@ -71,6 +79,22 @@ def _check_tiles(name, rows, block, features, tile, what):
         )
 
 
+def _vmem_limit(name, op, block, tile, rank, dtype) -> int | None:
+    """The explicit vmem_limit_bytes these blocks need (None: Mosaic's default suffices,
+    so the compiler parameters stay as before); refuses blocks that need more than
+    the ceiling. Computed from the blocks actually used, so an explicit tile (tests,
+    benchmarks) gets the limit it needs too."""
+    estimate = vmem.kernel_vmem_bytes(op, block, tile, rank, dtype)
+    limit = vmem.explicit_vmem_limit(estimate)
+    if limit is not None and limit > vmem.VMEM_LIMIT_CEILING_BYTES:
+        raise ValueError(
+            f"{name}: blocks (token {block}, feature tile {tile}) at rank {rank} "
+            f"{vmem.dtype_name(dtype)} need ~{limit // vmem.MiB} MiB of VMEM, more than "
+            f"the {vmem.VMEM_LIMIT_CEILING_BYTES // vmem.MiB} MiB allowed"
+        )
+    return limit
+
+
 def _shrink_kernel(slot_ref, nvalid_ref, x_ref, w_ref, o_ref, acc_ref):
     i, k = pl.program_id(0), pl.program_id(1)
 
@@ -93,24 +117,34 @@ def shrink_kernel(block_slot, xs, lora_a, *, block, block_d=None, interpret=Fals
 
     Shapes: block_slot int32 [T_pad/B], xs [T_pad, D] (segment layout), lora_a
     [N, R, D] -> ys [T_pad, R] (xs.dtype). Grid (T_pad/B, D/block_d); D is the
-    reduction axis, accumulated in a float32 VMEM scratch.
+    reduction axis, accumulated in a float32 VMEM scratch. block_d defaults to the
+    VMEM-budgeted tile of block_sizes.kernel_blocks.
     """
     (t_pad, d), d_w = xs.shape, lora_a.shape[2]
-    block_d = d if block_d is None else block_d
+    if block_d is None:
+        block_d = kernel_blocks("shrink", d, lora_a.shape[1], xs.dtype).feature_block
     if d_w != d or block_slot.shape != (t_pad // max(block, 1),):
         raise ValueError(
             f"shrink_kernel: xs {xs.shape}, lora_a {lora_a.shape}, block_slot "
             f"{block_slot.shape} do not match [T_pad, D], [N, R, D], [T_pad/{block}]"
         )
     _check_tiles("shrink_kernel", t_pad, block, d, block_d, "D")
+    limit = _vmem_limit("shrink_kernel", "shrink", block, block_d, lora_a.shape[1], xs.dtype)
     return shrink_pallas_call(
-        block_slot, xs, lora_a, block=block, block_d=block_d, interpret=interpret
+        block_slot,
+        xs,
+        lora_a,
+        block=block,
+        block_d=block_d,
+        interpret=interpret,
+        vmem_limit_bytes=limit,
     )
 
 
-def shrink_pallas_call(block_slot, xs, lora_a, *, block, block_d, interpret):
+def shrink_pallas_call(block_slot, xs, lora_a, *, block, block_d, interpret, vmem_limit_bytes=None):
     """The unvalidated pallas_call behind shrink_kernel (tests feed it illegal tiles
-    to show that Mosaic itself rejects them)."""
+    to show that Mosaic itself rejects them). vmem_limit_bytes None keeps Mosaic's
+    default scoped VMEM limit."""
     (t_pad, d), rank = xs.shape, lora_a.shape[1]
     nvalid = jnp.sum(block_slot >= 0, dtype=jnp.int32).reshape(1)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -127,7 +161,9 @@ def shrink_pallas_call(block_slot, xs, lora_a, *, block, block_d, interpret):
         _shrink_kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((t_pad, rank), xs.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes
+        ),
         interpret=interpret,
         name="lora_segment_shrink",
     )(block_slot.astype(jnp.int32), nvalid, xs, lora_a)
@@ -152,21 +188,30 @@ def expand_kernel(block_slot, ys, lora_b, *, block, block_o=None, interpret=Fals
     Shapes: block_slot int32 [T_pad/B], ys [T_pad, R] (segment layout), lora_b
     [N, O, R] -> zs [T_pad, O] (ys.dtype). Grid (O/block_o, T_pad/B): token blocks
     innermost, so one adapter's [block_o, R] tile is fetched once per run of blocks.
+    block_o defaults to the VMEM-budgeted tile of block_sizes.kernel_blocks.
     """
     (t_pad, rank), (o, rank_w) = ys.shape, lora_b.shape[1:]
-    block_o = o if block_o is None else block_o
+    if block_o is None:
+        block_o = kernel_blocks("expand", o, rank, ys.dtype).feature_block
     if rank_w != rank or block_slot.shape != (t_pad // max(block, 1),):
         raise ValueError(
             f"expand_kernel: ys {ys.shape}, lora_b {lora_b.shape}, block_slot "
             f"{block_slot.shape} do not match [T_pad, R], [N, O, R], [T_pad/{block}]"
         )
     _check_tiles("expand_kernel", t_pad, block, o, block_o, "O")
+    limit = _vmem_limit("expand_kernel", "expand", block, block_o, rank, ys.dtype)
     return expand_pallas_call(
-        block_slot, ys, lora_b, block=block, block_o=block_o, interpret=interpret
+        block_slot,
+        ys,
+        lora_b,
+        block=block,
+        block_o=block_o,
+        interpret=interpret,
+        vmem_limit_bytes=limit,
     )
 
 
-def expand_pallas_call(block_slot, ys, lora_b, *, block, block_o, interpret):
+def expand_pallas_call(block_slot, ys, lora_b, *, block, block_o, interpret, vmem_limit_bytes=None):
     """The unvalidated pallas_call behind expand_kernel."""
     (t_pad, rank), o = ys.shape, lora_b.shape[1]
     nvalid = jnp.sum(block_slot >= 0, dtype=jnp.int32).reshape(1)
@@ -183,7 +228,9 @@ def expand_pallas_call(block_slot, ys, lora_b, *, block, block_o, interpret):
         _expand_kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((t_pad, o), ys.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes
+        ),
         interpret=interpret,
         name="lora_segment_expand",
     )(block_slot.astype(jnp.int32), nvalid, ys, lora_b)
@@ -268,7 +315,8 @@ def segment_shrink(
     """
     check_shrink_shapes(x, lora_a, scale)
     interpret = default_interpret() if interpret is None else interpret
-    block_d = feature_block(x.shape[1], x.dtype) if block_d is None else block_d
+    if block_d is None:  # the same lookup as the TPU export (pallas_export.kernel_call)
+        block_d = kernel_blocks("shrink", x.shape[1], lora_a.shape[1], x.dtype).feature_block
     xs = x.index_select(0, layout.perm)
     ys = _shrink_op(layout.block_slot, xs, lora_a.to(x.dtype), layout.block, block_d, interpret)
     b, t_pad, rank = layout.block, ys.shape[0], ys.shape[1]
@@ -297,6 +345,7 @@ def segment_expand(
     """
     size = expand_slice_size(lora_b, base, offset, size)
     interpret = default_interpret() if interpret is None else interpret
-    block_o = feature_block(size, ys.dtype) if block_o is None else block_o
+    if block_o is None:
+        block_o = kernel_blocks("expand", size, ys.shape[1], ys.dtype).feature_block
     zs = _expand_op(layout.block_slot, ys, lora_b.to(ys.dtype), layout.block, block_o, interpret)
     return scatter_back(zs, layout, base, offset, size)
