@@ -153,7 +153,7 @@ def _wrong_shape(tensors):
 
 BAD_ADAPTERS = {
     "rank_too_big": (lambda base, src, d: make_peft_adapter(base, d, r=32), "greater than max_lora_rank"),
-    "dora": (lambda base, src, d: make_peft_adapter(base, d, r=4, use_dora=True), "does not yet support DoRA"),
+    "dora": (lambda base, src, d: make_peft_adapter(base, d, r=4, use_dora=True), "served only by an engine started with enable_dora"),
     "modules_to_save": (lambda base, src, d: _corrupt(src, d, config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
     "bias": (lambda base, src, d: _corrupt(src, d, config={"bias": "all"}), "bias"),
     "unknown_target": (lambda base, src, d: _corrupt(src, d, weights=lambda t: {k.replace("layers.0.", "layers.99."): v for k, v in t.items()}), "expected target modules"),

@@ -220,7 +220,10 @@ def test_rank_above_max_lora_rank(bases, good, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
-    (dict(use_dora=True), r"vLLM does not yet support DoRA\."),
+    (dict(use_dora=True), r"DoRA adapters \(use_dora=True\) are served only by an engine "
+                          r"started with enable_dora=True"),
+    (dict(lora_bias=True), r"lora_bias=True\) are served only by an engine started with "
+                           r"enable_lora_bias=True"),
     (dict(modules_to_save=["lm_head"]),
      r"vLLM only supports modules_to_save being None \(got modules_to_save=\['lm_head'\]\)"),
     (dict(bias="all"), r"bias='all' is not supported; only bias='none' adapters"),
@@ -228,7 +231,7 @@ def test_rank_above_max_lora_rank(bases, good, tmp_path):
     (dict(target_modules=["q_proj", "lm_head"]), r"LoRA on lm_head is not supported"),
     (dict(target_modules=["q_proj", "embed_tokens"]), r"LoRA on embed_tokens is not supported"),
     (dict(target_modules=r".*(q_proj|lm_head)"), r"LoRA on lm_head is not supported"),
-], ids=["dora", "modules_to_save", "bias_all", "bias_lora_only", "lm_head", "embed_tokens",
+], ids=["dora", "lora_bias", "modules_to_save", "bias_all", "bias_lora_only", "lm_head", "embed_tokens",
         "lm_head_regex"])
 def test_rejects_unsupported_config(bases, tmp_path, kwargs, pattern):
     d = make_peft_adapter(bases["qwen2"][0], str(tmp_path / "bad"), **kwargs)

@@ -135,6 +135,8 @@ class LoRAConfig:
     fully_sharded_loras: bool = False
     lora_backend: str = "auto"
     target_modules: tuple[str, ...] = LORA_TARGET_MODULES
+    enable_lora_bias: bool = False  # serve lora_bias=True adapters (vLLM's old flag)
+    enable_dora: bool = False  # serve use_dora=True adapters
 
     def __post_init__(self) -> None:
         if not self.target_modules:
@@ -208,6 +210,8 @@ class EngineArgs:
     fully_sharded_loras: bool = False
     lora_backend: str = "auto"
     lora_target_modules: list[str] | None = None
+    enable_lora_bias: bool = False
+    enable_dora: bool = False
     precompile: bool = True
     enforce_eager: bool = False
 
@@ -242,7 +246,12 @@ class EngineArgs:
                 fully_sharded_loras=self.fully_sharded_loras,
                 lora_backend=self.lora_backend,
                 target_modules=tuple(self.lora_target_modules or ()),
+                enable_lora_bias=self.enable_lora_bias,
+                enable_dora=self.enable_dora,
             )
+            if self.tensor_parallel_size > 1 and (self.enable_lora_bias or self.enable_dora):
+                raise ValueError("enable_lora_bias and enable_dora are not supported with "
+                                 "tensor_parallel_size > 1 yet.")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(

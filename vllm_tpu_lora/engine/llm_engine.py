@@ -81,12 +81,15 @@ class LLMEngine:
         lora_dtype = dtype if lc.lora_dtype == "auto" else resolve_dtype(lc.lora_dtype)
         punica = PunicaWrapper(self.tp.lora_backend(lc.lora_backend) if self.tp else lc.lora_backend,
                                fuse_slices=self.tp is None)
+        punica.slot_vectors = lc.enable_lora_bias or lc.enable_dora
         layers = wrap_lora_layers(model, punica, lc.max_loras, lc.max_lora_rank, lora_dtype,
-                                  lc.target_modules)
+                                  lc.target_modules, bias=lc.enable_lora_bias,
+                                  dora=lc.enable_dora)
         manager = LoRAManager(model, layers, max_loras=lc.max_loras,
                               max_lora_rank=lc.max_lora_rank, max_cpu_loras=lc.max_cpu_loras,
                               dtype=lora_dtype, target_modules=lc.target_modules,
-                              one_transfer=self.tp is None)
+                              one_transfer=self.tp is None, allow_bias=lc.enable_lora_bias,
+                              allow_dora=lc.enable_dora)
         return manager, punica
 
     def _check_kernel_budget(self, dtype) -> None:

@@ -36,7 +36,12 @@ def module_allowed(name: str, target_modules) -> bool:
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, punica: PunicaWrapper, max_loras: int,
-                 max_rank: int, dtype: torch.dtype) -> None:
+                 max_rank: int, dtype: torch.dtype, bias: bool = False,
+                 dora: bool = False) -> None:
+        """bias / dora: also hold per-slot vectors over the whole output, zero for adapters
+        without the feature: lora_bias (lora_B's bias times the scale) and lora_dora
+        (DoRA's rescale minus one, m / ||W + s B A|| - 1). Only engines that enable the
+        feature have them, so the others' graphs are unchanged."""
         super().__init__()
         self.base_layer = base
         self.punica = punica
@@ -47,6 +52,11 @@ class LoRALinear(nn.Module):
                                                             dtype=dtype), persistent=False)
             self.register_buffer(f"lora_b_{i}", torch.zeros(max_loras, size, max_rank,
                                                             dtype=dtype), persistent=False)
+        out = sum(self.output_slices)
+        self.vector_kinds = [k for k, on in (("bias", bias), ("dora", dora)) if on]
+        for kind in self.vector_kinds:
+            self.register_buffer(f"lora_{kind}", torch.zeros(max_loras, out, dtype=dtype),
+                                 persistent=False)
 
     @property
     def lora_a(self) -> list[torch.Tensor]:
@@ -56,11 +66,24 @@ class LoRALinear(nn.Module):
     def lora_b(self) -> list[torch.Tensor]:
         return [getattr(self, f"lora_b_{i}") for i in range(len(self.output_slices))]
 
+    @property
+    def lora_vectors(self) -> list[torch.Tensor]:
+        return [getattr(self, f"lora_{kind}") for kind in self.vector_kinds]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         if not self.punica.active:  # slot bucket 0: the base-only graph
             return y
-        return self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b, self.output_slices)
+        out = self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b, self.output_slices)
+        if "bias" in self.vector_kinds:
+            out = out + self.punica.slot_rows(self.lora_bias, out.dtype)
+        if "dora" in self.vector_kinds:
+            # PEFT's DoRA: base bias + g * (W x + s (B A x + b)), g per output channel, so
+            # add (g - 1) times everything but the base layer's own bias.
+            base_bias = getattr(self.base_layer, "bias", None)
+            merged = out if base_bias is None else out - base_bias
+            out = out + self.punica.slot_rows(self.lora_dora, out.dtype) * merged
+        return out
 
     @property
     def slices_natively(self) -> bool:
@@ -80,7 +103,8 @@ class LoRALinear(nn.Module):
 
 
 def wrap_lora_layers(model: nn.Module, punica: PunicaWrapper, max_loras: int, max_rank: int,
-                     dtype: torch.dtype, target_modules=None) -> dict[str, LoRALinear]:
+                     dtype: torch.dtype, target_modules=None, bias: bool = False,
+                     dora: bool = False) -> dict[str, LoRALinear]:
     """Replace the LoRA-capable linears of `model` that hold a targeted checkpoint module
     (all of them by default) in place; return them by module name. A packed layer is
     wrapped whole when any of its slices is targeted (the others stay zero)."""
@@ -93,7 +117,7 @@ def wrap_lora_layers(model: nn.Module, punica: PunicaWrapper, max_loras: int, ma
     for name in targets:
         parent_name, attr = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
-        layer = LoRALinear(getattr(parent, attr), punica, max_loras, max_rank, dtype)
+        layer = LoRALinear(getattr(parent, attr), punica, max_loras, max_rank, dtype, bias, dora)
         setattr(parent, attr, layer)
         wrapped[name] = layer
     return wrapped

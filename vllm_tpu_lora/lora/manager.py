@@ -42,17 +42,27 @@ class HostAdapter:
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, layers: dict[str, LoRALinear], *, max_loras: int,
                  max_lora_rank: int, max_cpu_loras: int, dtype: torch.dtype,
-                 target_modules=None, one_transfer: bool = True) -> None:
+                 target_modules=None, one_transfer: bool = True, allow_bias: bool = False,
+                 allow_dora: bool = False) -> None:
         """one_transfer: write a slot from one flat host tensor. Off under tensor
         parallelism, where slicing a replicated flat tensor into sharded buffers made XLA
         add collective-permutes to the slot write: there each buffer's slot image is sent
-        alone, already shaped like the buffer."""
+        alone, already shaped like the buffer.
+        allow_bias / allow_dora: serve lora_bias / DoRA adapters (the layers must hold the
+        matching per-slot vectors). DoRA's rescale needs each layer's base weight: a
+        reference to the host copy is kept (taken before the runner moves the model)."""
         self.model = model
         self.target_modules = target_modules
         self.layers = layers
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype = dtype
         self.one_transfer = one_transfer
+        self.allow_bias, self.allow_dora = allow_bias, allow_dora
+        # (module, vector kind, output slice sizes) for each per-slot vector buffer.
+        self._vector_layout = [(name, kind, list(layer.output_slices))
+                               for name, layer in layers.items() for kind in layer.vector_kinds]
+        self._base_weights = ({name: layer.base_layer.weight.detach()
+                               for name, layer in layers.items()} if allow_dora else {})
         self._shapes = [tuple(buf.shape[1:]) for buf in self._buffers]
         # (module, slice, A slot shape, B slot shape) in that order: read by the loader
         # thread, which must not touch the device buffers themselves.
@@ -77,8 +87,9 @@ class LoRAManager:
     def _buffers(self) -> list[torch.Tensor]:
         """Every slot buffer, in the order slot images are laid out in. Looked up each time:
         the runner moves (and may shard) the model after this manager is built."""
-        return [buf for layer in self.layers.values()
-                for pair in zip(layer.lora_a, layer.lora_b) for buf in pair]
+        return ([buf for layer in self.layers.values()
+                 for pair in zip(layer.lora_a, layer.lora_b) for buf in pair]
+                + [buf for layer in self.layers.values() for buf in layer.lora_vectors])
 
     # ---- adapters (vLLM's LoRA manager verbs) ----
 
@@ -162,13 +173,15 @@ class LoRAManager:
 
     def _validate(self, request: LoRARequest) -> None:
         load_peft_adapter(request, self.model, max_lora_rank=self.max_rank, dtype=torch.float32,
-                          target_modules=self.target_modules, header_only=True)
+                          target_modules=self.target_modules, header_only=True,
+                          allow_bias=self.allow_bias, allow_dora=self.allow_dora)
 
     def _load_host(self, request: LoRARequest) -> HostAdapter:
         """Read, validate and lay out an adapter (loader thread: touches no engine state)."""
         # float32 while scaling: the scale is folded into B before the cast to self.dtype.
         lora = load_peft_adapter(request, self.model, max_lora_rank=self.max_rank,
-                                 dtype=torch.float32, target_modules=self.target_modules)
+                                 dtype=torch.float32, target_modules=self.target_modules,
+                                 allow_bias=self.allow_bias, allow_dora=self.allow_dora)
         return self._host_adapter(lora)
 
     def _host_adapter(self, lora: LoRAModel | None) -> HostAdapter:
@@ -176,14 +189,34 @@ class LoRAManager:
         zero-padded to max_rank, its scale folded into B (so the kernels need no scale)."""
         flat = torch.zeros(sum(math.prod(shape) for shape in self._shapes), dtype=self.dtype)
         views = _slot_views(flat, self._shapes)  # A, B, A, B, ... in _layout's order
-        for (name, i, _, _), a, b in zip(self._layout, views[0::2], views[1::2]):
+        n_ab = 2 * len(self._layout)
+        for (name, i, _, _), a, b in zip(self._layout, views[0:n_ab:2], views[1:n_ab:2]):
             slices = lora.modules.get(name) if lora is not None else None
             w = slices[i] if slices else None
             if w is not None:
                 r = w.lora_a.shape[0]
                 a[:r] = w.lora_a
                 b[:, :r] = w.lora_b.float() * w.scale  # scaled in float32, then cast
+        for (name, kind, sizes), row in zip(self._vector_layout, views[n_ab:]):
+            slices = lora.modules.get(name) if lora is not None else None
+            for i, (offset, size) in enumerate(zip(_offsets(sizes), sizes)):
+                w = slices[i] if slices else None
+                if w is not None:
+                    row[offset:offset + size] = self._slice_vector(name, kind, w, offset, size)
         return HostAdapter(lora.name if lora is not None else "", flat)
+
+    def _slice_vector(self, name: str, kind: str, w: LoRASliceWeights, offset: int,
+                      size: int) -> torch.Tensor:
+        """One slice's part of a per-slot vector row (zeros where the feature is unused)."""
+        if kind == "bias":
+            return torch.zeros(size) if w.bias is None else w.bias.float() * w.scale
+        if w.magnitude is None:
+            return torch.zeros(size)
+        # DoRA: g = m / ||W + s B A|| per output channel (PEFT's weight norm, the base
+        # weight's rows of this slice); stored as g - 1 so that zero means "no rescale".
+        base = self._base_weights[name][offset:offset + size].float()
+        merged = base + w.scale * (w.lora_b.float() @ w.lora_a.float())
+        return w.magnitude.float() / torch.linalg.norm(merged, dim=1) - 1.0
 
     # ---- device slots ----
 
@@ -290,6 +323,10 @@ def _write_slot_images(buffers: list[torch.Tensor], flat: torch.Tensor, slot: to
     for buf, image in zip(buffers, _slot_views(flat, shapes)):
         buf.index_copy_(0, slot, image[None])
     return []
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 def _slot_views(flat: torch.Tensor, shapes: list[tuple]) -> list[torch.Tensor]:

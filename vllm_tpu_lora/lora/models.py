@@ -21,6 +21,11 @@ class LoRASliceWeights:
     # Kept apart from the weights (not folded into lora_b) so the kernel's per-slot scale
     # and PEFT's own `scaling` stay comparable.
     scale: float
+    # lora_bias=True adapters: lora_B's bias [out_slice] (like B, multiplied by the scale).
+    bias: torch.Tensor | None = None
+    # DoRA: the magnitude vector m [out_slice]; the output channel's rescale is
+    # m / ||W + scale * B A|| (row norms of the merged weight).
+    magnitude: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:

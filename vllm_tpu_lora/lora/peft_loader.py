@@ -32,8 +32,9 @@ ADAPTER_BIN = "adapter_model.bin"
 _UNPACKED = ("o_proj", "down_proj")
 _UNSUPPORTED_MODULES = ("embed_tokens", "lm_head")
 # Config fields whose truthy value changes what the adapter computes in ways we don't implement
-# (a bias on lora_B, repeated layers, activated LoRA, trained token rows, LoRA on nn.Parameter).
-_UNSUPPORTED_FEATURES = ("lora_bias", "layer_replication", "alora_invocation_tokens",
+# (repeated layers, activated LoRA, trained token rows, LoRA on nn.Parameter). A bias on
+# lora_B (lora_bias) and DoRA are served when the engine enables them.
+_UNSUPPORTED_FEATURES = ("layer_replication", "alora_invocation_tokens",
                          "trainable_token_indices", "target_parameters")
 
 
@@ -60,7 +61,8 @@ WHOLE = -1
 
 def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
                       dtype: torch.dtype = torch.float32, target_modules=None,
-                      header_only: bool = False) -> LoRAModel:
+                      header_only: bool = False, allow_bias: bool = False,
+                      allow_dora: bool = False) -> LoRAModel:
     """Read, validate and repack the adapter at `lora_request.lora_path` for `model`.
 
     header_only: validate everything but the values (config, tensor names, shapes, ranks)
@@ -72,18 +74,27 @@ def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
     Returns host tensors in `dtype`; raises ValueError naming the adapter on any problem.
     `target_modules` (the engine's lora_target_modules, checkpoint names such as "q_proj"):
     an adapter with weights for any other module is rejected.
+    allow_bias / allow_dora: serve lora_bias=True / use_dora=True adapters (the engine's
+    enable_lora_bias / enable_dora); otherwise they are rejected naming the flag.
     """
     try:
-        return _load(lora_request, model, max_lora_rank, dtype, target_modules, header_only)
+        return _load(lora_request, model, max_lora_rank, dtype, target_modules, header_only,
+                     allow_bias, allow_dora)
     except _Invalid as e:
         raise ValueError(f"Loading lora {lora_request.lora_name} failed: {e}") from e.__cause__
 
 
 def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype,
-          target_modules, header_only: bool) -> LoRAModel:
+          target_modules, header_only: bool, allow_bias: bool, allow_dora: bool) -> LoRAModel:
     path = lora_request.lora_path
     cfg = _read_config(path)
     _check_config(cfg)
+    if cfg.get("use_dora") and not allow_dora:
+        raise _Invalid("DoRA adapters (use_dora=True) are served only by an engine started "
+                       "with enable_dora=True (--enable-dora).")
+    if cfg.get("lora_bias") and not allow_bias:
+        raise _Invalid("adapters with a bias on lora_B (lora_bias=True) are served only by an "
+                       "engine started with enable_lora_bias=True (--enable-lora-bias).")
     tensors = _read_weights(path, header_only)
     targets = _model_targets(model)
     if target_modules:
@@ -178,8 +189,6 @@ def _check_config(cfg: dict) -> None:
     missing = {"r", "lora_alpha", "target_modules"} - cfg.keys()
     if missing:
         raise _Invalid(f"Missing required configuration fields: {sorted(missing)}")
-    if cfg.get("use_dora"):
-        raise _Invalid("vLLM does not yet support DoRA.")
     if cfg.get("modules_to_save"):
         raise _Invalid("vLLM only supports modules_to_save being None "
                        f"(got modules_to_save={cfg['modules_to_save']!r}).")
@@ -276,7 +285,7 @@ def _parse_key(key: str) -> tuple[str, str, str | None, str | None] | None:
     """'base_model.model.X.lora_A[.adapter].weight' -> (X, 'lora_A', adapter, 'weight')."""
     parts = key.removeprefix("base_model.model.").split(".")
     for i, part in enumerate(parts):
-        if part in ("lora_A", "lora_B"):
+        if part in ("lora_A", "lora_B", "lora_magnitude_vector"):
             rest = parts[i + 1:]
             param = rest.pop() if rest and rest[-1] in ("weight", "bias") else None
             if len(rest) > 1:
@@ -301,9 +310,13 @@ def _group_tensors(tensors: dict[str, torch.Tensor], targets: dict[str, _Target]
         if parsed is None:
             raise _Invalid(f"unexpected tensor {key!r}: only lora_A/lora_B weights are supported.")
         module, kind, adapter, param = parsed
-        if param != "weight":
-            raise _Invalid(f"unexpected tensor {key!r}: only lora_A/lora_B weights are "
-                           "supported (a bias on lora_B is not).")
+        if kind == "lora_B" and param == "bias" and cfg.get("lora_bias"):
+            kind = "lora_B_bias"
+        elif kind == "lora_magnitude_vector" and param in (None, "weight") and cfg.get("use_dora"):
+            kind = "magnitude"
+        elif param != "weight" or kind == "lora_magnitude_vector":
+            raise _Invalid(f"unexpected tensor {key!r}: only lora_A/lora_B weights (and lora_B "
+                           "biases with lora_bias, magnitudes with use_dora) are supported.")
         if module not in targets:
             unexpected.add(module)
             continue
@@ -322,8 +335,10 @@ def _group_tensors(tensors: dict[str, torch.Tensor], targets: dict[str, _Target]
         if not _is_targeted(cfg["target_modules"], module):
             raise _Invalid(f"weights for {module} are present but target_modules="
                            f"{cfg['target_modules']!r} does not cover it.")
-        if set(ab) != {"lora_A", "lora_B"}:
+        if not {"lora_A", "lora_B"} <= set(ab):
             raise _Invalid(f"{module} has {sorted(ab)} but needs both lora_A and lora_B.")
+        if cfg.get("use_dora") and "magnitude" not in ab:
+            raise _Invalid(f"{module} has no lora_magnitude_vector but use_dora=True.")
     if not pairs:
         raise _Invalid(f"{path} holds no LoRA weights.")
     return pairs
@@ -340,14 +355,28 @@ def _build_modules(pairs, targets: dict[str, _Target], cfg: dict,
         # PEFT's LoraLayer.update_layer: the scaling is computed from the module's own r/alpha.
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
         a, b = _finite(name, "lora_A", a, dtype), _finite(name, "lora_B", b, dtype)
+        vectors = {}  # lora_B's bias, DoRA's magnitude: one value per output channel
+        for key, field in (("lora_B_bias", "bias"), ("magnitude", "magnitude")):
+            if key in pairs[name]:
+                vec = pairs[name][key]
+                if tuple(vec.shape) != (target.out_features,):
+                    raise _Invalid(f"{field} of {name} has shape {tuple(vec.shape)}, expected "
+                                   f"({target.out_features},).")
+                vectors[field] = _finite(name, field, vec, dtype)
         slices = modules.setdefault(target.module, [None] * target.num_slices)
         if target.slice == WHOLE:
             # One A for the packed output, B's rows per slice: slice i's delta is
-            # B_i @ A @ x, exactly the packed module's delta split at the slice boundaries.
-            for i, b_i in enumerate(b.split(list(target.sizes), dim=0)):
-                slices[i] = LoRASliceWeights(lora_a=a, lora_b=b_i.contiguous(), scale=float(scale))
+            # B_i @ A @ x, exactly the packed module's delta split at the slice boundaries
+            # (and so are the per-channel vectors).
+            sizes = list(target.sizes)
+            parts = {f: v.split(sizes) for f, v in vectors.items()}
+            for i, b_i in enumerate(b.split(sizes, dim=0)):
+                slices[i] = LoRASliceWeights(
+                    lora_a=a, lora_b=b_i.contiguous(), scale=float(scale),
+                    **{f: p[i].contiguous() for f, p in parts.items()})
         else:
-            slices[target.slice] = LoRASliceWeights(lora_a=a, lora_b=b, scale=float(scale))
+            slices[target.slice] = LoRASliceWeights(lora_a=a, lora_b=b, scale=float(scale),
+                                                    **vectors)
     return modules
 
 

@@ -40,6 +40,9 @@ class PunicaWrapper:
         self.force_strategy: str | None = None
         self.force_block: int | None = None
         self.num_active_slots = 0  # the slot bucket S of the graph being traced
+        # Some layers hold per-slot vectors (LoRA bias, DoRA): every step then also carries
+        # each token's device slot, whatever the strategy (see slot_rows).
+        self.slot_vectors = False
         self.step: dict[str, torch.Tensor] = {}
         self._layout = None
         self._ones = None
@@ -52,6 +55,13 @@ class PunicaWrapper:
         position in `active_slots` (-1: base model or padding)."""
         if num_slots == 0:
             return {}
+        arrays = self._plan_strategy(token_pos, active_slots, num_slots, dtype)
+        if self.slot_vectors:
+            arrays.update(step_layout.token_slot_layout(token_pos, active_slots))
+        return arrays
+
+    def _plan_strategy(self, token_pos: np.ndarray, active_slots: list[int], num_slots: int,
+                       dtype: torch.dtype) -> dict[str, np.ndarray]:
         strategy = self.xla_strategy(token_pos.shape[0], num_slots) if self.fuse_slices else None
         if strategy == "single":  # each strategy uploads only the arrays its graph reads
             return step_layout.single_slot_layout(token_pos, active_slots)
@@ -89,6 +99,12 @@ class PunicaWrapper:
         self.num_active_slots = num_active_slots
         self.step = tensors
         self._layout = None  # tensor parallel: built lazily, once per traced forward
+
+    def slot_rows(self, vectors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """vectors [max_loras, O] -> [T, O]: each token's adapter's row, zero for tokens
+        without an adapter (needs slot_vectors: token_slot / token_valid in the step)."""
+        rows = vectors.index_select(0, self.step["token_slot"]).to(dtype)
+        return rows * self.step["token_valid"].to(dtype)[:, None]
 
     @property
     def active(self) -> bool:
