@@ -164,7 +164,14 @@ def test_chaos_broken_adapters_fail_alone(server, oracle, served):
         second = await _run_requests(server, [(i, models[i], prompts[i]) for i in range(32, 64)])
         return {**await first, **second}
 
-    results = asyncio.run(asyncio.wait_for(scenario(), timeout=300))  # a hang fails
+    try:
+        results = asyncio.run(asyncio.wait_for(scenario(), timeout=300))  # a hang fails
+    except (TimeoutError, openai.APIConnectionError) as e:  # say what the server was doing
+        try:
+            stats = server.stats()
+        except Exception as stats_error:  # noqa: BLE001 - the dump matters more
+            stats = repr(stats_error)
+        raise AssertionError(f"{e!r}; server stats: {stats}\n{server.thread_dump()}") from e
     for i, (model, exp) in enumerate(zip(models, expected)):
         got = results[i]
         if model not in broken:

@@ -75,6 +75,17 @@ class RemoteServer:
         with open(self.log.name, errors="replace") as f:
             return f.read()[-n:]
 
+    def thread_dump(self) -> str:
+        """Every thread's stack in the server (SIGUSR1, see api_server.run), from its log:
+        for a test to say what a server that stopped answering was doing."""
+        import signal
+
+        if self.proc.poll() is not None:
+            return f"server exited with {self.proc.returncode}:\n{self.log_tail()}"
+        self.proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        return self.log_tail(20000)
+
     def wait_exit(self, timeout: float) -> int:
         """For a server expected to fail start-up: its exit code (the log has the why)."""
         return self.proc.wait(timeout=timeout)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import hmac
 import logging
+import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import suppress
@@ -248,6 +250,10 @@ def run(args: argparse.Namespace) -> int:
         apply_demo_defaults(args)  # no model: serve the bundled demo model and adapters
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: what a stuck
+    # server (engine thread, loader, event loop) is doing, without stopping it.
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     asyncio.run(run_server(args))
     return 0
 
