@@ -55,13 +55,14 @@ class PunicaWrapper:
         position in `active_slots` (-1: base model or padding)."""
         if num_slots == 0:
             return {}
-        arrays = self._plan_strategy(token_pos, active_slots, num_slots, dtype)
+        arrays = self.plan_strategy(token_pos, active_slots, num_slots, dtype)
         if self.slot_vectors:
             arrays.update(step_layout.token_slot_layout(token_pos, active_slots))
         return arrays
 
-    def _plan_strategy(self, token_pos: np.ndarray, active_slots: list[int], num_slots: int,
-                       dtype: torch.dtype) -> dict[str, np.ndarray]:
+    def plan_strategy(self, token_pos: np.ndarray, active_slots: list[int], num_slots: int,
+                      dtype: torch.dtype) -> dict[str, np.ndarray]:
+        """The arrays the graph's LoRA strategy reads (host side, once per step)."""
         strategy = self.xla_strategy(token_pos.shape[0], num_slots) if self.fuse_slices else None
         if strategy == "single":  # each strategy uploads only the arrays its graph reads
             return step_layout.single_slot_layout(token_pos, active_slots)
