@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import faulthandler
 import hmac
+import io
 import logging
 import signal
 import sys
@@ -253,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
     # `kill -USR1 <pid>` prints every thread's Python stack to stderr: what a stuck
     # server (engine thread, loader, event loop) is doing, without stopping it.
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        with suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr not a file
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     asyncio.run(run_server(args))
     return 0
 
