@@ -171,7 +171,15 @@ def test_chaos_broken_adapters_fail_alone(server, oracle, served):
             stats = server.stats()
         except Exception as stats_error:  # noqa: BLE001 - the dump matters more
             stats = repr(stats_error)
-        raise AssertionError(f"{e!r}; server stats: {stats}\n{server.thread_dump()}") from e
+        import faulthandler
+        import tempfile
+
+        with tempfile.TemporaryFile("w+") as f:  # and what this (client) process was doing
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.seek(0)
+            client_threads = f.read()
+        raise AssertionError(f"{e!r}; server stats: {stats}\n{server.thread_dump()}\n"
+                             f"client threads:\n{client_threads}") from e
     for i, (model, exp) in enumerate(zip(models, expected)):
         got = results[i]
         if model not in broken:
