@@ -30,3 +30,14 @@ def llama_llm(llama_dir):
     from vllm_tpu_lora import LLM
 
     return LLM(llama_dir, **SMALL_ENGINE)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_engines_between_modules():
+    """Engines a module built (fixtures, locals kept alive by reference cycles) hold device
+    buffers and host memory: collect them before the next module builds its own, so the
+    suite's footprint stays that of one module at a time."""
+    yield
+    import gc
+
+    gc.collect()

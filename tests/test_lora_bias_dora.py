@@ -105,3 +105,30 @@ def test_not_yet_under_tensor_parallelism(llama_dir):
     with pytest.raises(ValueError, match="enable_lora_bias and enable_dora are not supported "
                                          "with tensor_parallel_size > 1"):
         LLM(llama_dir, enable_lora=True, enable_dora=True, tensor_parallel_size=2)
+
+
+def test_phi3_packed_bias_and_dora_split_at_the_slices(tmp_path):
+    """Phi-3's adapters are on the packed qkv_proj / gate_up_proj: lora_B's bias and DoRA's
+    magnitude cover the packed output and are split with B at the slice boundaries."""
+    from vllm_tpu_lora.testing.factory import make_tiny_model
+
+    model_dir = make_tiny_model("phi3", str(tmp_path / "phi3"))
+    packed = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    adapters = {kind: make_peft_adapter(model_dir, str(tmp_path / kind), r=8, seed=i,
+                                        init_std=0.05, target_modules=packed, **kw)
+                for i, (kind, kw) in enumerate(KINDS.items()) if kind != "plain"}
+    oracle = load_oracle_model(model_dir, adapters)
+    prompts = [np.random.default_rng(3).integers(3, 500, size=n).tolist() for n in (9, 20)]
+    llm = LLM(model_dir, enable_lora=True, enable_lora_bias=True, enable_dora=True, max_loras=2,
+              max_lora_rank=8, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128)
+    for i, kind in enumerate(adapters):
+        expected = hf_greedy(oracle, prompts, MAX_NEW, adapter_names=[kind] * len(prompts))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
+                                           logprobs=0),
+                            lora_request=LoRARequest(kind, i + 1, adapters[kind]), use_tqdm=False)
+        for out, exp in zip(outs, expected):
+            got = out.outputs[0]
+            assert got.token_ids == exp.token_ids, kind
+            lps = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
+            np.testing.assert_allclose(lps, exp.logprobs, atol=1e-4, rtol=0, err_msg=kind)

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import faulthandler
 import hmac
-import io
 import logging
-import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import suppress
@@ -251,11 +248,6 @@ def run(args: argparse.Namespace) -> int:
         apply_demo_defaults(args)  # no model: serve the bundled demo model and adapters
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: what a stuck
-    # server (engine thread, loader, event loop) is doing, without stopping it.
-    if hasattr(signal, "SIGUSR1"):
-        with suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr not a file
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
     asyncio.run(run_server(args))
     return 0
 
@@ -269,5 +261,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` prints every thread's Python stack to stderr: what a stuck server
+    (engine thread, loader, event loop) is doing, without stopping it. Only in a process
+    that is the server (`python -m ...api_server`): a library must not take a signal from
+    its host process (in a test process it crashed XLA's compiler)."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+
+
 if __name__ == "__main__":
+    _dump_stacks_on_sigusr1()
     sys.exit(main())
