@@ -2,7 +2,7 @@
 
 One subprocess (tests/tp_worker.py, CPU_NUM_DEVICES=4) builds an engine for each of
 tensor_parallel_size 2 and 4 x fully_sharded_loras off / on and measures everything;
-meanwhile this process computes the tensor_parallel_size=1 reference. The model is the
+meanwhile a second subprocess computes the tensor_parallel_size=1 reference. The model is the
 session's tiny Llama: 4 heads, 2 kv heads (TP=4 replicates each kv head on 2 devices),
 intermediate 128, 2 layers. At TP=2 the 4 devices form 2 replicas of a 2-device group.
 """
@@ -19,7 +19,7 @@ from vllm_tpu_lora import LLM
 from vllm_tpu_lora.parallel.layout import attention_slices, check_lora_layout, mlp_slices
 from vllm_tpu_lora.testing.factory import make_peft_adapter
 
-from .tp_worker import ENGINE, run_workload
+from .tp_worker import ENGINE
 
 CONFIGS = [(2, False), (2, True), (4, False), (4, True)]
 IDS = [f"tp{tp}-{'fully_sharded' if fs else 'lora_a_replicated'}" for tp, fs in CONFIGS]
@@ -38,7 +38,7 @@ def tp_run(llama_dir, tmp_path_factory):
     adapters = [make_peft_adapter(llama_dir, str(root / f"a{i}"), **kw)
                 for i, kw in enumerate(ADAPTERS)]
     args = {"model": llama_dir, "adapters": adapters, "dump_dir": str(root / "hlo"),
-            "out": str(root / "out.json"),
+            "out": str(root / "out.json"), "reference_out": str(root / "reference.json"),
             "configs": [{"tp": tp, "fully_sharded": fs} for tp, fs in CONFIGS]}
     os.makedirs(args["dump_dir"])
     with open(root / "args.json", "w") as f:
@@ -47,11 +47,16 @@ def tp_run(llama_dir, tmp_path_factory):
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args['dump_dir']}")
     proc = subprocess.Popen([sys.executable, WORKER, str(root / "args.json")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:  # the reference runs here while the worker compiles (2 cores)
-        reference = run_workload(LLM(llama_dir, **ENGINE), adapters)
-    finally:
-        log, _ = proc.communicate(timeout=900)
+    # The reference (TP=1, one plain device) runs meanwhile in a process of its own.
+    ref_env = {k: v for k, v in os.environ.items() if k != "CPU_NUM_DEVICES"}
+    ref = subprocess.run([sys.executable, WORKER, str(root / "args.json"), "--reference"],
+                         env=dict(ref_env, PJRT_DEVICE="CPU"), capture_output=True, text=True,
+                         timeout=900)
+    log, _ = proc.communicate(timeout=900)
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-6000:]
     assert proc.returncode == 0, log[-6000:]
+    with open(args["reference_out"]) as f:
+        reference = json.load(f)
     with open(args["out"]) as f:
         results = json.load(f)
     return reference, results

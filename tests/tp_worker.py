@@ -7,8 +7,9 @@ every (tensor_parallel_size, fully_sharded_loras) it builds one engine and recor
 JSON: the workload's greedy token ids, the sharding spec of every weight / KV cache /
 LoRA buffer, the device-local blocks of the packed qkv weight, the collectives of each
 graph XLA compiled for this engine (from the optimized-HLO dump) and the engine stats.
-The assertions are in the test; this file only measures. `run_workload` is shared with
-the test, which runs it at tensor_parallel_size=1 for the reference.
+The assertions are in the test; this file only measures. With `--reference` it runs the
+same workload at tensor_parallel_size=1 on one plain device instead (a process of its own:
+in the pytest process, after hundreds of other engines, XLA's compile of it crashed).
 """
 
 from __future__ import annotations
@@ -178,8 +179,20 @@ def main(args: dict) -> dict:
     return results
 
 
+def reference(args: dict) -> dict:
+    """The tensor_parallel_size=1 reference (a plain single-device process)."""
+    os.environ["VLLM_TPU_LORA_CHECK_RECOMPILATION"] = "1"
+    from vllm_tpu_lora import LLM
+
+    return run_workload(LLM(args["model"], **ENGINE), args["adapters"])
+
+
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         arguments = json.load(f)
-    with open(arguments["out"], "w") as f:
-        json.dump(main(arguments), f)
+    if len(sys.argv) > 2 and sys.argv[2] == "--reference":
+        result, out = reference(arguments), arguments["reference_out"]
+    else:
+        result, out = main(arguments), arguments["out"]
+    with open(out, "w") as f:
+        json.dump(result, f)
