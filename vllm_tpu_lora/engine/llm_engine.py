@@ -102,7 +102,7 @@ class LLMEngine:
                   for layer in self.lora_manager.layers.values()]
         shapes = lora_layer_kernel_shapes(layers, self.runner.token_ladder,
                                           self.runner.slot_ladder, self.lora_manager.max_rank,
-                                          str(dtype).rsplit(".", 1)[-1])
+                                          vmem.dtype_name(dtype))
         check_kernel_budget(shapes, vmem.VMEM_LIMIT_CEILING_BYTES)
 
     @classmethod

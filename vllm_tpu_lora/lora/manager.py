@@ -63,7 +63,7 @@ class LoRAManager:
                                for name, layer in layers.items() for kind in layer.vector_kinds]
         self._base_weights = ({name: layer.base_layer.weight.detach()
                                for name, layer in layers.items()} if allow_dora else {})
-        self._shapes = [tuple(buf.shape[1:]) for buf in self._buffers]
+        self._shapes = [tuple(buf.shape[1:]) for buf in self.buffers]
         # (module, slice, A slot shape, B slot shape) in that order: read by the loader
         # thread, which must not touch the device buffers themselves.
         self._layout = [(name, i, tuple(a.shape[1:]), tuple(b.shape[1:]))
@@ -84,9 +84,10 @@ class LoRAManager:
         self._write_graph = capture.compile(_write_slot_images)
 
     @property
-    def _buffers(self) -> list[torch.Tensor]:
-        """Every slot buffer, in the order slot images are laid out in. Looked up each time:
-        the runner moves (and may shard) the model after this manager is built."""
+    def buffers(self) -> list[torch.Tensor]:
+        """Every slot buffer, in the order slot images are laid out in (also the forward
+        graphs' LoRA arguments). Looked up each time: the runner moves (and may shard) the
+        model after this manager is built."""
         return ([buf for layer in self.layers.values()
                  for pair in zip(layer.lora_a, layer.lora_b) for buf in pair]
                 + [buf for layer in self.layers.values() for buf in layer.lora_vectors])
@@ -264,7 +265,7 @@ class LoRAManager:
 
     def write_slot(self, slot: int, host: HostAdapter) -> None:
         """Write an adapter's slot image into `slot` of every buffer: one transfer, one graph."""
-        buffers = self._buffers
+        buffers = self.buffers
         if self._slot_index is None:
             self._slot_index = [torch.tensor([s], dtype=torch.int64, device=buffers[0].device)
                                 for s in range(self.max_loras)]

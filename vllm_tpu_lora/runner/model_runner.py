@@ -73,9 +73,7 @@ class ModelRunner:
             for cache in self.kv_caches:
                 platform.mark_donated(cache)
         # Written between steps (slot loads): graph arguments, never baked-in constants.
-        self._lora_buffers = ([b for layer in lora_manager.layers.values()
-                               for b in layer.lora_a + layer.lora_b + layer.lora_vectors]
-                              if lora_manager else [])
+        self._lora_buffers = lora_manager.buffers if lora_manager else []
         self._neg_token_ids = neg_token_ids_for(model.config["vocab_size"], self.device)
         self.guard = CompileGuard(self.capture)
         # Benchmarks: wait for each graph before the host goes on, so that XLA's
