@@ -14,6 +14,13 @@ run in interleaved rounds (--rounds, default 3); each row is its best round.
     python benchmarks/benchmark_lora.py --small         # smoke run
     python benchmarks/benchmark_lora.py --backends xla pallas
     python benchmarks/benchmark_lora.py --many-adapters --rounds 1   # 1,000 adapters
+    python benchmarks/benchmark_lora.py --features --num-adapters 8  # bias/DoRA/vocab LoRA
+
+`--features` adds, per backend, N distinct adapters on engines that enable LoRA bias + DoRA
+(`bias_dora_enabled`) or LoRA on embed_tokens + lm_head (`vocab_enabled`) while the
+adapters use neither (the cost of enabling them), and on an engine with everything enabled
+serving adapters that use them (`all_features_used`: in turn lora_bias, DoRA, or LoRA on
+embed_tokens and lm_head besides the seven linears).
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ def parse_args() -> argparse.Namespace:
                    help="interleaved rounds per configuration; each row is its best")
     p.add_argument("--enforce-eager", action="store_true",
                    help="also run every row with lazy re-tracing (no graph replay)")
+    p.add_argument("--features", action="store_true",
+                   help="also rows for engines with LoRA bias / DoRA / embedding + lm_head "
+                        "LoRA enabled (unused, then used)")
     p.add_argument("--many-adapters", action="store_true",
                    help="instead: --num-requests (default 1000) requests each with its own "
                         "adapter vs the same requests over 8 adapters (see many_adapters.py)")
@@ -53,6 +63,13 @@ def parse_args() -> argparse.Namespace:
     if args.many_adapters and "--num-requests" not in sys.argv:
         args.num_requests = 24 if args.small else 1000
     return args
+
+
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FEATURE_ENGINES = {  # --features: engine flags
+    "bias_dora_enabled": dict(enable_lora_bias=True, enable_dora=True),
+    "vocab_enabled": dict(lora_target_modules=[*ALL_LINEARS, "embed_tokens", "lm_head"]),
+}
 
 
 def make_adapters(model_dir: str, out_root: str, n: int, rank: int) -> list[str]:
@@ -121,6 +138,8 @@ def mode_rows(model_dir, paths, work, args, eager: bool) -> list[dict]:
             reqs = [LoRARequest(f"lora{i}", i + 1, paths[i]) for i in range(n)]
             configs[f"{backend}:{n}_distinct_adapters"] = (
                 llms[backend], [reqs[i % n] for i in range(len(work))])
+    if args.features:
+        configs.update(feature_configs(model_dir, paths, work, args, eager))
     results = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, (llm, loras) in configs.items():
@@ -143,6 +162,37 @@ def mode_rows(model_dir, paths, work, args, eager: bool) -> list[dict]:
                      "enforce_eager": eager,
                      "count": llm.llm_engine.stats()["compilations_after_warmup"]})
     return rows
+
+
+def feature_configs(model_dir, paths, work, args, eager: bool) -> dict:
+    """--features: {name: (engine, per-request adapters)} for N = max(--num-adapters)."""
+    from vllm_tpu_lora import LoRARequest
+
+    n = max(args.num_adapters)
+    # One feature per adapter, in turn (PEFT refuses lora_bias with DoRA, and lora_bias on
+    # an embedding; DoRA on embed_tokens / lm_head is not served).
+    from vllm_tpu_lora.testing.factory import make_peft_adapter
+
+    kinds = [dict(lora_bias=True), dict(use_dora=True),
+             dict(target_modules=[*ALL_LINEARS, "embed_tokens", "lm_head"])]
+    used = [make_peft_adapter(model_dir, os.path.join(os.path.dirname(paths[0]), f"all{i}"),
+                              r=args.rank, lora_alpha=2 * args.rank, seed=100 + i,
+                              init_std=0.02, **kinds[i % 3]) for i in range(n)]
+    configs = {}
+    for backend in args.backends:
+        common = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
+                      max_cpu_loras=n, lora_backend=backend, enforce_eager=eager)
+        for name, flags in FEATURE_ENGINES.items():
+            llm = engine(model_dir, args, **common, **flags)
+            reqs = [LoRARequest(f"lora{i}", i + 1, paths[i]) for i in range(n)]
+            configs[f"{backend}:{n}_distinct_adapters+{name}"] = (
+                llm, [reqs[i % n] for i in range(len(work))])
+        llm = engine(model_dir, args, **common, **FEATURE_ENGINES["bias_dora_enabled"],
+                     **FEATURE_ENGINES["vocab_enabled"])
+        reqs = [LoRARequest(f"all{i}", i + 1, used[i]) for i in range(n)]
+        configs[f"{backend}:{n}_distinct_adapters+all_features_used"] = (
+            llm, [reqs[i % n] for i in range(len(work))])
+    return configs
 
 
 def main() -> None:

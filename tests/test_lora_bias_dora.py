@@ -101,12 +101,6 @@ def test_rejected_unless_enabled(setup):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
-def test_not_yet_under_tensor_parallelism(llama_dir):
-    with pytest.raises(ValueError, match="enable_lora_bias and enable_dora are not supported "
-                                         "with tensor_parallel_size > 1"):
-        LLM(llama_dir, enable_lora=True, enable_dora=True, tensor_parallel_size=2)
-
-
 def test_phi3_packed_bias_and_dora_split_at_the_slices(tmp_path):
     """Phi-3's adapters are on the packed qkv_proj / gate_up_proj: lora_B's bias and DoRA's
     magnitude cover the packed output and are split with B at the slice boundaries."""

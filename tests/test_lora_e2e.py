@@ -161,7 +161,7 @@ BAD_ADAPTERS = {
     "nan": (lambda base, src, d: _corrupt(src, d, weights=_nan_first), "NaN or Inf"),
     "missing_dir": (lambda base, src, d: f"{d}/does-not-exist", "No adapter found"),
     "peft_type": (lambda base, src, d: _corrupt(src, d, config={"peft_type": "LOHA"}), "LOHA"),
-    "lm_head": (lambda base, src, d: make_peft_adapter(base, d, r=4, target_modules=["q_proj", "lm_head"]), "not supported"),
+    "lm_head": (lambda base, src, d: make_peft_adapter(base, d, r=4, target_modules=["q_proj", "lm_head"]), "served only by an engine whose lora_target_modules"),
 }
 
 

@@ -52,6 +52,6 @@ def test_adapter_touching_another_module_is_rejected(qv_llm, llama_dir, tmp_path
 
 
 def test_unknown_target_module_is_a_config_error(llama_dir):
-    with pytest.raises(ValueError, match="lm_head"):
-        LLM(llama_dir, enable_lora=True, lora_target_modules=["q_proj", "lm_head"],
+    with pytest.raises(ValueError, match=r"lora_target_modules \['wte'\] are not supported"):
+        LLM(llama_dir, enable_lora=True, lora_target_modules=["q_proj", "wte"],
             precompile=False, **SMALL_ENGINE)

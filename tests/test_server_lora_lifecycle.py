@@ -126,12 +126,15 @@ def test_load_inplace_swaps_weights_under_the_name(server, client, oracle, src, 
     assert r.status_code == 400 and "has already been loaded" in r.text
 
 
-async def _run_requests(server, jobs):
-    """jobs: (index, model, prompt ids). Returns {index: text or the exception}."""
+async def _run_requests(server, jobs, pending=None):
+    """jobs: (index, model, prompt ids). Returns {index: text or the exception}.
+    `pending` (index -> model) holds the requests not answered yet."""
+    pending = {} if pending is None else pending
     client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
-                                timeout=120)
+                                timeout=600)  # the scenario's watchdog fires first
 
     async def one(i, model, prompt):
+        pending[i] = model
         try:
             got = await client.completions.create(model=model, prompt=prompt,
                                                   max_tokens=MAX_NEW, temperature=0,
@@ -139,8 +142,29 @@ async def _run_requests(server, jobs):
             return i, got.choices[0].text
         except openai.APIStatusError as e:
             return i, e
+        finally:
+            pending.pop(i, None)
 
-    return dict(await asyncio.gather(*(one(*job) for job in jobs)))
+    async with client:
+        return dict(await asyncio.gather(*(one(*job) for job in jobs)))
+
+
+def hang_report(server, pending) -> str:
+    """What the server was doing while requests were still unanswered: taken before the
+    client gives up, since a closed connection aborts the request and hides the state."""
+    import faulthandler
+    import tempfile
+
+    try:
+        stats = server.stats()
+    except Exception as e:  # noqa: BLE001 - the dump matters more
+        stats = repr(e)
+    with tempfile.TemporaryFile("w+") as f:  # and what this (client) process was doing
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        client_threads = f.read()
+    return (f"unanswered requests {pending}; server stats: {stats}\n{server.thread_dump()}\n"
+            f"client threads:\n{client_threads}")
 
 
 def test_chaos_broken_adapters_fail_alone(server, oracle, served):
@@ -151,35 +175,31 @@ def test_chaos_broken_adapters_fail_alone(server, oracle, served):
     models = [choices[i % len(choices)] for i in range(64)]
     broken = {"a5", "a6"}
     expected = [expected_text(oracle, p, None if m == "base" else m) for p, m in zip(prompts, models)]
+    pending: dict[int, str] = {}
 
     async def scenario():
         first = asyncio.create_task(_run_requests(
-            server, [(i, models[i], prompts[i]) for i in range(32)]))
+            server, [(i, models[i], prompts[i]) for i in range(32)], pending))
         # Damage once a5's first requests were admitted (or already served).
         await asyncio.to_thread(wait_for_stats, server, lambda s: "a5" in s["loras"] and (
             s["loras"]["a5"]["running"] or s["loras"]["a5"]["slot_loads"]))
         shutil.rmtree(served["a5"])
         with open(os.path.join(served["a6"], "adapter_model.safetensors"), "wb") as f:
             f.write(b"\x00garbage, not safetensors" * 100)
-        second = await _run_requests(server, [(i, models[i], prompts[i]) for i in range(32, 64)])
+        second = await _run_requests(
+            server, [(i, models[i], prompts[i]) for i in range(32, 64)], pending)
         return {**await first, **second}
 
-    try:
-        results = asyncio.run(asyncio.wait_for(scenario(), timeout=300))  # a hang fails
-    except (TimeoutError, openai.APIConnectionError) as e:  # say what the server was doing
-        try:
-            stats = server.stats()
-        except Exception as stats_error:  # noqa: BLE001 - the dump matters more
-            stats = repr(stats_error)
-        import faulthandler
-        import tempfile
+    async def watched():
+        task = asyncio.create_task(scenario())
+        done, _ = await asyncio.wait({task}, timeout=180)  # ~20 s when healthy: a hang fails
+        if not done:
+            report = await asyncio.to_thread(hang_report, server, dict(pending))
+            task.cancel()
+            raise AssertionError(f"chaos run hung: {report}")
+        return task.result()
 
-        with tempfile.TemporaryFile("w+") as f:  # and what this (client) process was doing
-            faulthandler.dump_traceback(file=f, all_threads=True)
-            f.seek(0)
-            client_threads = f.read()
-        raise AssertionError(f"{e!r}; server stats: {stats}\n{server.thread_dump()}\n"
-                             f"client threads:\n{client_threads}") from e
+    results = asyncio.run(watched())
     for i, (model, exp) in enumerate(zip(models, expected)):
         got = results[i]
         if model not in broken:

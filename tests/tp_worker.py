@@ -10,6 +10,8 @@ graph XLA compiled for this engine (from the optimized-HLO dump) and the engine 
 The assertions are in the test; this file only measures. With `--reference` it runs the
 same workload at tensor_parallel_size=1 on one plain device instead (a process of its own:
 in the pytest process, after hundreds of other engines, XLA's compile of it crashed).
+With `--features` it serves LoRA-bias, DoRA, embedding and lm_head adapters under tensor
+parallelism (tests/test_lora_vocab.py compares them with PEFT).
 """
 
 from __future__ import annotations
@@ -187,11 +189,34 @@ def reference(args: dict) -> dict:
     return run_workload(LLM(args["model"], **ENGINE), args["adapters"])
 
 
+def features(args: dict) -> dict:
+    """`--features`: a mixed batch over adapters with LoRA bias, DoRA, embedding and lm_head
+    LoRA at args["tp"]; greedy ids and their logprobs per prompt (the test holds the oracle)."""
+    os.environ["VLLM_TPU_LORA_CHECK_RECOMPILATION"] = "1"
+    from vllm_tpu_lora import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(args["model"], tensor_parallel_size=args["tp"], **args["engine"])
+    reqs = {name: LoRARequest(name, i + 1, path) for i, (name, path) in
+            enumerate(args["adapters"].items())}
+    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True,
+                            logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params,
+                        lora_request=[reqs[n] if n else None for n in args["names"]],
+                        use_tqdm=False)
+    return {"token_ids": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                          o.outputs[0].token_ids)] for o in outs],
+            "compilations_after_warmup": llm.llm_engine.stats()["compilations_after_warmup"]}
+
+
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         arguments = json.load(f)
-    if len(sys.argv) > 2 and sys.argv[2] == "--reference":
+    mode = sys.argv[2] if len(sys.argv) > 2 else None
+    if mode == "--reference":
         result, out = reference(arguments), arguments["reference_out"]
+    elif mode == "--features":
+        result, out = features(arguments), arguments["out"]
     else:
         result, out = main(arguments), arguments["out"]
     with open(out, "w") as f:

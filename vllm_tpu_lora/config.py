@@ -49,6 +49,8 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
                        "down_proj")
 # Modules a checkpoint may hold packed (Phi-3): listing one allows all of its parts.
 LORA_PACKED_TARGET_MODULES = ("qkv_proj", "gate_up_proj")
+# Opt-in (not in the default): LoRA on the token embedding and the logits projection.
+LORA_VOCAB_TARGET_MODULES = ("embed_tokens", "lm_head")
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if not self.target_modules:
             object.__setattr__(self, "target_modules", LORA_TARGET_MODULES)
-        known = LORA_TARGET_MODULES + LORA_PACKED_TARGET_MODULES
+        known = LORA_TARGET_MODULES + LORA_PACKED_TARGET_MODULES + LORA_VOCAB_TARGET_MODULES
         unknown = sorted(set(self.target_modules) - set(known))
         if unknown:
             raise ValueError(f"lora_target_modules {unknown} are not supported; choose from "
@@ -249,9 +251,6 @@ class EngineArgs:
                 enable_lora_bias=self.enable_lora_bias,
                 enable_dora=self.enable_dora,
             )
-            if self.tensor_parallel_size > 1 and (self.enable_lora_bias or self.enable_dora):
-                raise ValueError("enable_lora_bias and enable_dora are not supported with "
-                                 "tensor_parallel_size > 1 yet.")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(

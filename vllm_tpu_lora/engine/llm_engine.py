@@ -98,9 +98,7 @@ class LLMEngine:
         from vllm_tpu_lora.ops import vmem
         from vllm_tpu_lora.ops.kernel_shapes import check_kernel_budget, lora_layer_kernel_shapes
 
-        layers = [(layer.in_features, layer.output_slices)
-                  for layer in self.lora_manager.layers.values()]
-        shapes = lora_layer_kernel_shapes(layers, self.runner.token_ladder,
+        shapes = lora_layer_kernel_shapes(self.lora_manager.kernel_layers(), self.runner.token_ladder,
                                           self.runner.slot_ladder, self.lora_manager.max_rank,
                                           vmem.dtype_name(dtype))
         check_kernel_budget(shapes, vmem.VMEM_LIMIT_CEILING_BYTES)

@@ -1,8 +1,10 @@
-"""LoRA layers: wrap the model's linears (qkv packed, o, gate_up packed, down) from outside.
+"""LoRA layers: wrap the model's linears (qkv packed, o, gate_up packed, down) from outside,
+and, when lora_target_modules names them, the token embedding and lm_head.
 
 Each wrapped layer owns preallocated stacked buffers, one pair per output slice:
 `lora_a[max_loras, max_rank, in]` and `lora_b[max_loras, out_slice, max_rank]`, zero
-padded to max_rank. Loading an adapter only writes data into a slot of these buffers.
+padded to max_rank (the embedding keeps its A by token: `[max_loras, vocab, max_rank]`).
+Loading an adapter only writes data into a slot of these buffers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ LORA_TARGETS = {
     "gate_up_proj": ["gate_proj", "up_proj"],
     "down_proj": ["down_proj"],
 }
+# Opt-in targets (lora_target_modules must name them): they change the embedding lookup
+# and the logits graph, which engines without such adapters should not pay for.
+VOCAB_TARGETS = ("embed_tokens", "lm_head")
 
 
 def module_allowed(name: str, target_modules) -> bool:
@@ -35,6 +40,8 @@ def module_allowed(name: str, target_modules) -> bool:
 
 
 class LoRALinear(nn.Module):
+    a_by_input = False  # lora_a slots are [R, in] (as PEFT's lora_A)
+
     def __init__(self, base: nn.Module, punica: PunicaWrapper, max_loras: int,
                  max_rank: int, dtype: torch.dtype, bias: bool = False,
                  dora: bool = False) -> None:
@@ -57,6 +64,11 @@ class LoRALinear(nn.Module):
         for kind in self.vector_kinds:
             self.register_buffer(f"lora_{kind}", torch.zeros(max_loras, out, dtype=dtype),
                                  persistent=False)
+        # DoRA rescales all but the base bias, which it needs in output order (under tensor
+        # parallelism the base layer's own bias is reordered into per-device blocks).
+        bias_t = getattr(base, "bias", None) if dora else None
+        self.register_buffer("dora_base_bias", None if bias_t is None else bias_t.detach().clone(),
+                             persistent=False)
 
     @property
     def lora_a(self) -> list[torch.Tensor]:
@@ -75,14 +87,20 @@ class LoRALinear(nn.Module):
         if not self.punica.active:  # slot bucket 0: the base-only graph
             return y
         out = self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b, self.output_slices)
+        return self._add_vectors(out, 0)
+
+    def _add_vectors(self, out: torch.Tensor, offset: int) -> torch.Tensor:
+        """LoRA bias and DoRA on output columns [offset, offset + out's width)."""
+        if not self.vector_kinds:
+            return out
+        cols = slice(offset, offset + out.shape[-1])
         if "bias" in self.vector_kinds:
-            out = out + self.punica.slot_rows(self.lora_bias, out.dtype)
+            out = out + self.punica.slot_rows(self.lora_bias, out.dtype)[:, cols]
         if "dora" in self.vector_kinds:
             # PEFT's DoRA: base bias + g * (W x + s (B A x + b)), g per output channel, so
             # add (g - 1) times everything but the base layer's own bias.
-            base_bias = getattr(self.base_layer, "bias", None)
-            merged = out if base_bias is None else out - base_bias
-            out = out + self.punica.slot_rows(self.lora_dora, out.dtype) * merged
+            merged = out if self.dora_base_bias is None else out - self.dora_base_bias[cols]
+            out = out + self.punica.slot_rows(self.lora_dora, out.dtype)[:, cols] * merged
         return out
 
     @property
@@ -97,9 +115,88 @@ class LoRALinear(nn.Module):
         ys = self.base_layer.forward_slices(x)
         if not self.punica.active:
             return ys
-        return [self.punica.add_expand(y, self.punica.add_shrink(x, a, keep_rank_axis=True), b,
+        outs, offset = [], 0
+        for y, a, b in zip(ys, self.lora_a, self.lora_b):
+            y = self.punica.add_expand(y, self.punica.add_shrink(x, a, keep_rank_axis=True), b,
                                        0, y.shape[-1])
-                for y, a, b in zip(ys, self.lora_a, self.lora_b)]
+            outs.append(self._add_vectors(y, offset))
+            offset += y.shape[-1]
+        return outs
+
+
+class LoRAEmbedding(nn.Module):
+    """The token embedding plus PEFT's embedding LoRA: y = E[id] + s * B @ A[:, id]. Its A is
+    held by token, `lora_a_0[max_loras, vocab, R]`, so the shrink is one row lookup."""
+
+    a_by_input = True
+    vector_kinds: list[str] = []
+    lora_vectors: list[torch.Tensor] = []
+
+    def __init__(self, base: nn.Embedding, punica: PunicaWrapper, max_loras: int,
+                 max_rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.punica = punica
+        self.in_features, hidden = base.weight.shape  # in: the vocabulary
+        self.output_slices = [hidden]
+        self.register_buffer("lora_a_0", torch.zeros(max_loras, self.in_features, max_rank,
+                                                     dtype=dtype), persistent=False)
+        self.register_buffer("lora_b_0", torch.zeros(max_loras, hidden, max_rank, dtype=dtype),
+                             persistent=False)
+
+    @property
+    def lora_a(self) -> list[torch.Tensor]:
+        return [self.lora_a_0]
+
+    @property
+    def lora_b(self) -> list[torch.Tensor]:
+        return [self.lora_b_0]
+
+    @property
+    def weight(self) -> torch.Tensor:  # tied lm_heads and the loader read it
+        return self.base_layer.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(ids)
+        if not self.punica.active:
+            return y
+        return self.punica.add_lora_embedding(y, ids, self.lora_a_0, self.lora_b_0)
+
+
+class LoRALogits(nn.Module):
+    """lm_head plus its LoRA, applied in the logits graph to the rows whose slots the
+    sampler set (`punica.logits_rows`); elsewhere (no rows set) the plain lm_head."""
+
+    a_by_input = False
+    vector_kinds: list[str] = []
+    lora_vectors: list[torch.Tensor] = []
+
+    def __init__(self, base: nn.Module, punica: PunicaWrapper, max_loras: int,
+                 max_rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.punica = punica
+        self.in_features, vocab = base.in_features, base.out_features
+        self.output_slices = [vocab]
+        self.register_buffer("lora_a_0", torch.zeros(max_loras, max_rank, self.in_features,
+                                                     dtype=dtype), persistent=False)
+        self.register_buffer("lora_b_0", torch.zeros(max_loras, vocab, max_rank, dtype=dtype),
+                             persistent=False)
+
+    @property
+    def lora_a(self) -> list[torch.Tensor]:
+        return [self.lora_a_0]
+
+    @property
+    def lora_b(self) -> list[torch.Tensor]:
+        return [self.lora_b_0]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.base_layer(h)
+        rows = self.punica.logits_rows
+        if rows is None:
+            return logits
+        return self.punica.add_lora_logits(logits, h, self.lora_a_0, self.lora_b_0, rows)
 
 
 def wrap_lora_layers(model: nn.Module, punica: PunicaWrapper, max_loras: int, max_rank: int,
@@ -120,4 +217,15 @@ def wrap_lora_layers(model: nn.Module, punica: PunicaWrapper, max_loras: int, ma
         layer = LoRALinear(getattr(parent, attr), punica, max_loras, max_rank, dtype, bias, dora)
         setattr(parent, attr, layer)
         wrapped[name] = layer
+    if wanted and "embed_tokens" in wanted:
+        inner = model.model
+        inner.embed_tokens = LoRAEmbedding(inner.embed_tokens, punica, max_loras, max_rank, dtype)
+        wrapped["model.embed_tokens"] = inner.embed_tokens
+        punica.slot_vectors = True  # the lookup needs each token's device slot
+    if wanted and "lm_head" in wanted:
+        # A tied lm_head gets its own copy first, so its LoRA never touches the embedding
+        # (and the embedding's LoRA never reaches the logits), as in PEFT.
+        model.untie_lm_head()
+        model.lm_head = LoRALogits(model.lm_head, punica, max_loras, max_rank, dtype)
+        wrapped["lm_head"] = model.lm_head
     return wrapped

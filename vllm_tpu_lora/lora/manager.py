@@ -62,11 +62,15 @@ class LoRAManager:
         self._vector_layout = [(name, kind, list(layer.output_slices))
                                for name, layer in layers.items() for kind in layer.vector_kinds]
         self._base_weights = ({name: layer.base_layer.weight.detach()
-                               for name, layer in layers.items()} if allow_dora else {})
+                               for name, layer in layers.items()
+                               if isinstance(layer, LoRALinear)} if allow_dora else {})
+        # A few rows of the vocabulary layers' base weights (host, taken before the runner
+        # moves the model): what PEFT's saved copies of them are checked against.
+        self._base_rows = _vocab_base_rows(model)
         self._shapes = [tuple(buf.shape[1:]) for buf in self.buffers]
-        # (module, slice, A slot shape, B slot shape) in that order: read by the loader
-        # thread, which must not touch the device buffers themselves.
-        self._layout = [(name, i, tuple(a.shape[1:]), tuple(b.shape[1:]))
+        # (module, slice, A slot shape, B slot shape, A held by input row) in that order:
+        # read by the loader thread, which must not touch the device buffers themselves.
+        self._layout = [(name, i, tuple(a.shape[1:]), tuple(b.shape[1:]), layer.a_by_input)
                         for name, layer in layers.items()
                         for i, (a, b) in enumerate(zip(layer.lora_a, layer.lora_b))]
         self.registry = AdapterRegistry(max_cpu_loras=max_cpu_loras, validate=self._validate,
@@ -82,6 +86,19 @@ class LoRAManager:
         """Replay slot writes as a captured graph (the runner's LazyGraphCapture): a write
         then runs no tracing, only the transfer and one cached executable."""
         self._write_graph = capture.compile(_write_slot_images)
+
+    def kernel_layers(self) -> list[tuple[int | None, list[int]]]:
+        """(in_features, output slices) of the layers that run the bgmv kernels: the
+        linears, and the embedding's expand (its shrink is a lookup, in_features None);
+        lm_head's LoRA is a dense product in the logits graph."""
+        return [(None if layer.a_by_input else layer.in_features, list(layer.output_slices))
+                for name, layer in self.layers.items() if name != "lm_head"]
+
+    @property
+    def logits_buffers(self) -> list[torch.Tensor]:
+        """lm_head's LoRA buffers (the logits graph's arguments), if lm_head is adapted."""
+        layer = self.layers.get("lm_head")
+        return [] if layer is None else [*layer.lora_a, *layer.lora_b]
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -182,7 +199,8 @@ class LoRAManager:
         # float32 while scaling: the scale is folded into B before the cast to self.dtype.
         lora = load_peft_adapter(request, self.model, max_lora_rank=self.max_rank,
                                  dtype=torch.float32, target_modules=self.target_modules,
-                                 allow_bias=self.allow_bias, allow_dora=self.allow_dora)
+                                 allow_bias=self.allow_bias, allow_dora=self.allow_dora,
+                                 base_rows=self._base_rows)
         return self._host_adapter(lora)
 
     def _host_adapter(self, lora: LoRAModel | None) -> HostAdapter:
@@ -191,12 +209,16 @@ class LoRAManager:
         flat = torch.zeros(sum(math.prod(shape) for shape in self._shapes), dtype=self.dtype)
         views = _slot_views(flat, self._shapes)  # A, B, A, B, ... in _layout's order
         n_ab = 2 * len(self._layout)
-        for (name, i, _, _), a, b in zip(self._layout, views[0:n_ab:2], views[1:n_ab:2]):
+        for (name, i, _, _, by_input), a, b in zip(self._layout, views[0:n_ab:2],
+                                                   views[1:n_ab:2]):
             slices = lora.modules.get(name) if lora is not None else None
             w = slices[i] if slices else None
             if w is not None:
                 r = w.lora_a.shape[0]
-                a[:r] = w.lora_a
+                if by_input:  # the embedding's A, by token: [vocab, R]
+                    a[:, :r] = w.lora_a.T
+                else:
+                    a[:r] = w.lora_a
                 b[:, :r] = w.lora_b.float() * w.scale  # scaled in float32, then cast
         for (name, kind, sizes), row in zip(self._vector_layout, views[n_ab:]):
             slices = lora.modules.get(name) if lora is not None else None
@@ -292,9 +314,10 @@ class LoRAManager:
         """A random full-rank adapter on every layer, so warm-up traces real LoRA math."""
         gen = torch.Generator().manual_seed(0)
         modules: dict[str, list] = {}
-        for name, _, a_shape, b_shape in self._layout:
-            modules.setdefault(name, []).append(
-                LoRASliceWeights(torch.randn(a_shape, generator=gen) * 0.01,
+        for name, _, a_shape, b_shape, by_input in self._layout:
+            a = torch.randn(a_shape, generator=gen) * 0.01
+            modules.setdefault(name, []).append(  # lora_a as PEFT's: [R, in]
+                LoRASliceWeights(a.T if by_input else a,
                                  torch.randn(b_shape, generator=gen) * 0.01, 1.0))
         return self._host_adapter(LoRAModel("warmup", 0, "", self.max_rank, modules))
 
@@ -316,6 +339,16 @@ class LoRAManager:
                 "on_device": lora_id in self.slots, "in_host_cache": e.host is not None,
                 "pinned": e.pinned, "running": e.running, "waiting": waiting.get(lora_id, 0)}
         return out
+
+
+def _vocab_base_rows(model: torch.nn.Module, n: int = 16) -> dict[str, tuple]:
+    """{our module: (row indices, those rows)} of the embedding and lm_head base weights."""
+    embed = model.model.embed_tokens.weight
+    head = getattr(model, "lm_head", None)
+    head = embed if head is None else getattr(head, "base_layer", head).weight
+    idx = torch.linspace(0, embed.shape[0] - 1, n).long()
+    return {name: (idx, w.detach()[idx].to("cpu", torch.float32).clone())
+            for name, w in (("model.embed_tokens", embed), ("lm_head", head))}
 
 
 def _write_slot_images(buffers: list[torch.Tensor], flat: torch.Tensor, slot: torch.Tensor,

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from vllm_tpu_lora.lora.layers import module_allowed
+from vllm_tpu_lora.lora.layers import VOCAB_TARGETS, module_allowed
 from vllm_tpu_lora.lora.models import LoRAModel, LoRASliceWeights
 
 __all__ = ["LoRAModel", "LoRASliceWeights", "adapter_fingerprint", "load_peft_adapter"]
@@ -30,7 +30,8 @@ ADAPTER_SAFETENSORS = "adapter_model.safetensors"
 ADAPTER_BIN = "adapter_model.bin"
 # Modules that are LoRA-wrapped unpacked; the packed ones come from packed_modules_mapping.
 _UNPACKED = ("o_proj", "down_proj")
-_UNSUPPORTED_MODULES = ("embed_tokens", "lm_head")
+# Our module names of the vocabulary-sized targets (served when lora_target_modules names them).
+_VOCAB_MODULES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
 # Config fields whose truthy value changes what the adapter computes in ways we don't implement
 # (repeated layers, activated LoRA, trained token rows, LoRA on nn.Parameter). A bias on
 # lora_B (lora_bias) and DoRA are served when the engine enables them.
@@ -62,7 +63,7 @@ WHOLE = -1
 def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
                       dtype: torch.dtype = torch.float32, target_modules=None,
                       header_only: bool = False, allow_bias: bool = False,
-                      allow_dora: bool = False) -> LoRAModel:
+                      allow_dora: bool = False, base_rows: dict | None = None) -> LoRAModel:
     """Read, validate and repack the adapter at `lora_request.lora_path` for `model`.
 
     header_only: validate everything but the values (config, tensor names, shapes, ranks)
@@ -76,16 +77,21 @@ def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
     an adapter with weights for any other module is rejected.
     allow_bias / allow_dora: serve lora_bias=True / use_dora=True adapters (the engine's
     enable_lora_bias / enable_dora); otherwise they are rejected naming the flag.
+    LoRA on embed_tokens / lm_head is served only when target_modules names them. PEFT
+    also saves those layers' base weights next to such LoRA (save_embedding_layers): a
+    copy is accepted if it is the base model's (same shape; and, given `base_rows`
+    {our module: (row indices, rows)}, the same values at those rows), else rejected.
     """
     try:
         return _load(lora_request, model, max_lora_rank, dtype, target_modules, header_only,
-                     allow_bias, allow_dora)
+                     allow_bias, allow_dora, base_rows)
     except _Invalid as e:
         raise ValueError(f"Loading lora {lora_request.lora_name} failed: {e}") from e.__cause__
 
 
 def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype,
-          target_modules, header_only: bool, allow_bias: bool, allow_dora: bool) -> LoRAModel:
+          target_modules, header_only: bool, allow_bias: bool, allow_dora: bool,
+          base_rows: dict | None) -> LoRAModel:
     path = lora_request.lora_path
     cfg = _read_config(path)
     _check_config(cfg)
@@ -96,7 +102,8 @@ def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype
         raise _Invalid("adapters with a bias on lora_B (lora_bias=True) are served only by an "
                        "engine started with enable_lora_bias=True (--enable-lora-bias).")
     tensors = _read_weights(path, header_only)
-    targets = _model_targets(model)
+    _check_base_copies(tensors, model, base_rows)
+    targets = _model_targets(model, target_modules or ())
     if target_modules:
         targets = {k: v for k, v in targets.items()
                    if module_allowed(k.rsplit(".", 1)[-1], target_modules)}
@@ -218,17 +225,10 @@ def _is_number(value) -> bool:
 
 def _check_target_modules(tm) -> None:
     if isinstance(tm, str):
-        if tm.lower() == "all-linear":  # PEFT's all-linear never includes the output layer
-            return
-        pattern = _compile(tm, "target_modules")
-        # PEFT full-matches the string against module names such as these two.
-        hits = [n for n in ("model.embed_tokens", "lm_head") if pattern.fullmatch(n)]
-    elif isinstance(tm, list) and all(isinstance(t, str) for t in tm):
-        hits = [t for t in tm if t.rsplit(".", 1)[-1] in _UNSUPPORTED_MODULES]
-    else:
+        if tm.lower() != "all-linear":  # PEFT's all-linear never includes the output layer
+            _compile(tm, "target_modules")
+    elif not (isinstance(tm, list) and all(isinstance(t, str) for t in tm)):
         raise _Invalid(f"target_modules must be a string or a list of strings, got {tm!r}")
-    if hits:
-        raise _Invalid(_unsupported_module_msg(hits))
 
 
 def _compile(pattern: str, field: str) -> re.Pattern:
@@ -238,9 +238,10 @@ def _compile(pattern: str, field: str) -> re.Pattern:
         raise _Invalid(f"{field} has an invalid regular expression {pattern!r}: {e}") from e
 
 
-def _unsupported_module_msg(names) -> str:
-    return (f"LoRA on {', '.join(sorted(set(names)))} is not supported: embed_tokens and lm_head "
-            "adapters cannot be loaded (only q/k/v/o/gate/up/down_proj).")
+def _vocab_module_msg(names) -> str:
+    return (f"LoRA on {', '.join(sorted(set(names)))} is served only by an engine whose "
+            "lora_target_modules include embed_tokens / lm_head (e.g. --lora-target-modules "
+            "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj embed_tokens lm_head).")
 
 
 def _is_targeted(tm, module: str) -> bool:
@@ -261,10 +262,16 @@ def _pattern_value(pattern: dict, module: str, default):
 
 # ---- tensors ----------------------------------------------------------------------------
 
-def _model_targets(model: nn.Module) -> dict[str, _Target]:
-    """PEFT module name -> where it lives in our model, for every LoRA-capable layer."""
+def _model_targets(model: nn.Module, target_modules) -> dict[str, _Target]:
+    """PEFT module name -> where it lives in our model, for every LoRA-capable layer (the
+    vocabulary-sized ones only if target_modules names them)."""
     packed = getattr(model, "packed_modules_mapping", {})
     targets: dict[str, _Target] = {}
+    vocab, hidden = _embedding_shape(model)
+    if "embed_tokens" in target_modules:  # A is [r, vocab], B [hidden, r]
+        targets["model.embed_tokens"] = _Target("model.embed_tokens", 0, 1, vocab, hidden)
+    if "lm_head" in target_modules:
+        targets["lm_head"] = _Target("lm_head", 0, 1, hidden, vocab)
     for name, module in model.named_modules():
         prefix, _, leaf = name.rpartition(".")
         base = getattr(module, "base_layer", module)  # a LoRA wrapper keeps the layer here
@@ -281,11 +288,46 @@ def _model_targets(model: nn.Module) -> dict[str, _Target]:
     return targets
 
 
+def _embedding_shape(model: nn.Module) -> tuple[int, int]:
+    return tuple(model.model.embed_tokens.weight.shape)
+
+
+def _base_copy_module(key: str) -> str | None:
+    """Our module name if `key` is PEFT's saved copy of a vocabulary layer's base weight
+    ('...embed_tokens.base_layer.weight', '...lm_head.weight'), else None."""
+    parts = key.removeprefix("base_model.model.").split(".")
+    if parts[-1] != "weight":
+        return None
+    core = parts[:-2] if parts[-2:-1] == ["base_layer"] else parts[:-1]
+    return _VOCAB_MODULES.get(core[-1]) if core else None
+
+
+def _check_base_copies(tensors: dict[str, torch.Tensor], model: nn.Module,
+                       base_rows: dict | None) -> None:
+    """Accept PEFT's copies of the embedding / lm_head base weights only if they are the
+    base model's (a resized or retrained vocabulary is a different model); drop them."""
+    for key in [k for k in tensors if _base_copy_module(k)]:
+        module, saved = _base_copy_module(key), tensors.pop(key)
+        if tuple(saved.shape) != _embedding_shape(model):
+            raise _Invalid(f"{key} has shape {tuple(saved.shape)} but the base model's is "
+                           f"{_embedding_shape(model)}: adapters with a resized vocabulary "
+                           "(new or trained token embeddings) cannot be served.")
+        if saved.is_meta or not base_rows or module not in base_rows:
+            continue
+        idx, rows = base_rows[module]
+        if not torch.allclose(saved[idx].float(), rows.float(), rtol=1e-2, atol=1e-3):
+            raise _Invalid(f"{key} differs from the base model's weights: adapters that "
+                           "retrain the whole embedding or lm_head cannot be served (only "
+                           "LoRA on them).")
+
+
 def _parse_key(key: str) -> tuple[str, str, str | None, str | None] | None:
-    """'base_model.model.X.lora_A[.adapter].weight' -> (X, 'lora_A', adapter, 'weight')."""
+    """'base_model.model.X.lora_A[.adapter].weight' -> (X, 'lora_A', adapter, 'weight');
+    PEFT's embedding LoRA has no '.weight': 'X.lora_embedding_A' -> (X, ..., None, None)."""
     parts = key.removeprefix("base_model.model.").split(".")
     for i, part in enumerate(parts):
-        if part in ("lora_A", "lora_B", "lora_magnitude_vector"):
+        if part in ("lora_A", "lora_B", "lora_magnitude_vector", "lora_embedding_A",
+                    "lora_embedding_B"):
             rest = parts[i + 1:]
             param = rest.pop() if rest and rest[-1] in ("weight", "bias") else None
             if len(rest) > 1:
@@ -301,15 +343,26 @@ def _group_tensors(tensors: dict[str, torch.Tensor], targets: dict[str, _Target]
     unexpected: set[str] = set()
     adapter_names: set[str | None] = set()
     for key, tensor in tensors.items():
-        parts = key.removeprefix("base_model.model.").split(".")
-        # Also catches PEFT's saved base embeddings ('embed_tokens.base_layer.weight').
-        bad = next((i for i, p in enumerate(parts) if p in _UNSUPPORTED_MODULES), None)
-        if bad is not None:
-            raise _Invalid(_unsupported_module_msg([".".join(parts[:bad + 1])]))
         parsed = _parse_key(key)
         if parsed is None:
             raise _Invalid(f"unexpected tensor {key!r}: only lora_A/lora_B weights are supported.")
         module, kind, adapter, param = parsed
+        is_embedding = module.rsplit(".", 1)[-1] == "embed_tokens"
+        if module.rsplit(".", 1)[-1] in VOCAB_TARGETS and module not in targets:
+            raise _Invalid(_vocab_module_msg([module]))
+        if module in targets and module in _VOCAB_MODULES.values() \
+                and cfg.get("ensure_weight_tying"):
+            raise _Invalid("ensure_weight_tying=True (one LoRA shared by tied embed_tokens "
+                           "and lm_head) is not supported.")
+        if kind.startswith("lora_embedding_") != is_embedding:
+            raise _Invalid(f"unexpected tensor {key!r}: PEFT stores an embedding's LoRA as "
+                           "lora_embedding_A/B and a linear layer's as lora_A/B.")
+        if is_embedding and param is None:
+            kind, param = kind.replace("embedding_", ""), "weight"
+        if module in _VOCAB_MODULES.values() and kind in ("lora_magnitude_vector", "lora_B") \
+                and (param == "bias" or kind == "lora_magnitude_vector"):
+            raise _Invalid(f"DoRA and lora_bias on {module} are not supported (only on the "
+                           "q/k/v/o/gate/up/down projections).")
         if kind == "lora_B" and param == "bias" and cfg.get("lora_bias"):
             kind = "lora_B_bias"
         elif kind == "lora_magnitude_vector" and param in (None, "weight") and cfg.get("use_dora"):

@@ -43,6 +43,8 @@ class PunicaWrapper:
         # Some layers hold per-slot vectors (LoRA bias, DoRA): every step then also carries
         # each token's device slot, whatever the strategy (see slot_rows).
         self.slot_vectors = False
+        # Set by the logits graph while it computes lm_head: each row's device slot.
+        self.logits_rows: torch.Tensor | None = None
         self.step: dict[str, torch.Tensor] = {}
         self._layout = None
         self._ones = None
@@ -140,29 +142,43 @@ class PunicaWrapper:
         valid = self.step["token_valid"][:, None]
         return y + torch.where(valid, delta, torch.zeros_like(delta)).to(y.dtype)
 
+    # Each strategy is a shrink (x -> rank activations, in the strategy's own arrangement)
+    # and an expand shared with the embedding LoRA, whose "shrink" is a row lookup.
+
     def _single_slot_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
-        slot = self.step["slot"]
-        rank = lora_a[0].shape[1]
-        a = torch.cat([la.index_select(0, slot)[0] for la in lora_a], dim=0).to(x.dtype)
-        xa = x @ a.T  # [T, n*R]: one shrink for every slice
-        deltas = [xa[:, i * rank:(i + 1) * rank] @ lb.index_select(0, slot)[0].to(x.dtype).T
+        a = torch.cat([la.index_select(0, self.step["slot"])[0] for la in lora_a],
+                      dim=0).to(x.dtype)
+        return self._single_expand(y, x @ a.T, lora_b)  # one shrink for every slice
+
+    def _single_expand(self, y, xa, lora_b) -> torch.Tensor:
+        """xa [T, n*R] in token order -> y + concat_i(xa_i @ B_i[slot].T), masked."""
+        slot, rank = self.step["slot"], lora_b[0].shape[2]
+        deltas = [xa[:, i * rank:(i + 1) * rank] @ lb.index_select(0, slot)[0].to(xa.dtype).T
                   for i, lb in enumerate(lora_b)]
         return self._add_masked(y, torch.cat(deltas, dim=1))
+
+    def _onehot(self, dtype: torch.dtype) -> torch.Tensor:
+        slots = torch.arange(self.num_active_slots, device=self.step["token_lora_idx"].device,
+                             dtype=torch.int32)
+        return (self.step["token_lora_idx"][:, None] == slots).to(dtype)  # [T, S]
 
     def _onehot_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
         """Every token times the step's S active adapters in one dense matmul, the wanted
         product selected by a [T, S] one-hot: gather-free, FLOPs S*T*R*(D+O). Slot
         buffers hold only finite values (the loader rejects NaN/Inf, free slots are zero),
         so selecting by multiplication is exact."""
-        t, s, rank = x.shape[0], self.num_active_slots, lora_a[0].shape[1]
-        active = self.step["active_slots"]
-        slots = torch.arange(s, device=x.device, dtype=torch.int32)
-        onehot = (self.step["token_lora_idx"][:, None] == slots).to(x.dtype)  # [T, S]
-        a = torch.cat([la.index_select(0, active) for la in lora_a], dim=1).to(x.dtype)
-        xa = (x @ a.reshape(-1, x.shape[1]).T).view(t, s, -1) * onehot[:, :, None]
+        t, s = x.shape[0], self.num_active_slots
+        a = torch.cat([la.index_select(0, self.step["active_slots"]) for la in lora_a],
+                      dim=1).to(x.dtype)
+        xa = (x @ a.reshape(-1, x.shape[1]).T).view(t, s, -1)
+        return self._onehot_expand(y, xa * self._onehot(x.dtype)[:, :, None], lora_b)
+
+    def _onehot_expand(self, y, xa, lora_b) -> torch.Tensor:
+        """xa [T, S, n*R], zero outside each token's own adapter -> y + its deltas."""
+        t, s, rank = xa.shape[0], xa.shape[1], lora_b[0].shape[2]
         deltas = []
         for i, lb in enumerate(lora_b):
-            b = lb.index_select(0, active).to(x.dtype)  # [S, O_i, R]
+            b = lb.index_select(0, self.step["active_slots"]).to(xa.dtype)  # [S, O_i, R]
             xi = xa[:, :, i * rank:(i + 1) * rank].reshape(t, s * rank)
             deltas.append(xi @ b.permute(0, 2, 1).reshape(s * rank, b.shape[1]))
         return y + torch.cat(deltas, dim=1).to(y.dtype)
@@ -172,26 +188,93 @@ class PunicaWrapper:
         matrix-vector products as multiply + sum (XLA CPU ran them 2-8x slower as batched
         matmuls from 32 rows up). FLOPs T*R*(D+O) whatever S is, for a gather of T*R*(D+O)
         weights: what wins for decode-sized buckets with many adapters."""
-        slot, rank = self.step["token_slot"], lora_a[0].shape[1]
+        slot = self.step["token_slot"]
         a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=1).to(x.dtype)
-        xa = (a * x[:, None, :]).sum(-1)  # [T, n*R]
-        deltas = [(lb.index_select(0, slot).to(x.dtype)
+        return self._gathered_expand(y, (a * x[:, None, :]).sum(-1), lora_b)  # xa [T, n*R]
+
+    def _gathered_expand(self, y, xa, lora_b) -> torch.Tensor:
+        slot, rank = self.step["token_slot"], lora_b[0].shape[2]
+        deltas = [(lb.index_select(0, slot).to(xa.dtype)
                    * xa[:, None, i * rank:(i + 1) * rank]).sum(-1)  # [T, O_i]
                   for i, lb in enumerate(lora_b)]
         return self._add_masked(y, torch.cat(deltas, dim=1))
 
+    def _block_slots(self) -> torch.Tensor:
+        return self.step["block_slot"].clamp(min=0)  # padding blocks compute on slot 0
+
     def _grouped_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
-        perm, block_slot = self.step["perm"], self.step["block_slot"]
-        t_pad, nb, rank = perm.shape[0], block_slot.shape[0], lora_a[0].shape[1]
-        slot = block_slot.clamp(min=0)  # padding blocks compute on slot 0; never read back
+        perm, nb = self.step["perm"], self.step["block_slot"].shape[0]
+        slot = self._block_slots()
         a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=1).to(x.dtype)
-        xs = x.index_select(0, perm).view(nb, t_pad // nb, x.shape[1])
-        ys = torch.bmm(xs, a.transpose(1, 2))  # [NB, B, n*R]
+        xs = x.index_select(0, perm).view(nb, perm.shape[0] // nb, x.shape[1])
+        return self._grouped_expand(y, torch.bmm(xs, a.transpose(1, 2)), lora_b)
+
+    def _grouped_expand(self, y, ys, lora_b) -> torch.Tensor:
+        """ys [NB, B, n*R] in segment order -> y + deltas scattered back to token order
+        (padding rows are never read back)."""
+        slot, rank = self._block_slots(), lora_b[0].shape[2]
         zs = [torch.bmm(ys[:, :, i * rank:(i + 1) * rank],
-                        lb.index_select(0, slot).to(x.dtype).transpose(1, 2))
+                        lb.index_select(0, slot).to(ys.dtype).transpose(1, 2))
               for i, lb in enumerate(lora_b)]
+        t_pad = ys.shape[0] * ys.shape[1]
         z = torch.cat(zs, dim=2).reshape(t_pad, -1).index_select(0, self.step["dest"])
         return self._add_masked(y, z)
+
+    # ---- embedding LoRA: lookup as the shrink, then the step's expand ----
+
+    def add_lora_embedding(self, y: torch.Tensor, ids: torch.Tensor, lora_a: torch.Tensor,
+                           lora_b: torch.Tensor) -> torch.Tensor:
+        """Semantics: y[t] += lora_b[s] @ lora_a[s, ids[t]], s = slot of token t (PEFT's
+        lora_embedding_B @ lora_embedding_A[:, id], scale folded into B).
+        Shapes: y [T, H], ids [T], lora_a [N, V, R] (rows by token id), lora_b [N, H, R].
+        Needs slot_vectors (each token's device slot in the step)."""
+        n, vocab, rank = lora_a.shape
+        rows = self.step["token_slot"].to(torch.int64) * vocab + ids.to(torch.int64)
+        xa = lora_a.reshape(n * vocab, rank).index_select(0, rows).to(y.dtype)
+        xa = torch.where(self.step["token_valid"][:, None], xa, torch.zeros_like(xa))
+        if not self.fuse_slices:  # tensor parallel: the per-slice ops' segment layout
+            layout = self._get_layout(y.dtype)
+            return self.add_expand(y, self._to_segments(xa, layout), lora_b, 0, y.shape[1])
+        if self.backend == "pallas":
+            layout = self._host_layout()
+            return ops.segment_expand(self._to_segments(xa, layout), lora_b, layout, y, 0,
+                                      y.shape[1], backend="pallas")
+        strategy = self.xla_strategy(y.shape[0], self.num_active_slots)
+        if strategy == "single":
+            return self._single_expand(y, xa, [lora_b])
+        if strategy == "onehot":
+            return self._onehot_expand(y, xa[:, None, :] * self._onehot(xa.dtype)[:, :, None],
+                                       [lora_b])
+        if strategy == "gathered":
+            return self._gathered_expand(y, xa, [lora_b])
+        layout = self.step
+        ys = self._to_segments(xa, layout)
+        nb = layout["block_slot"].shape[0]
+        return self._grouped_expand(y, ys.view(nb, ys.shape[0] // nb, rank), [lora_b])
+
+    @staticmethod
+    def _to_segments(xa: torch.Tensor, layout) -> torch.Tensor:
+        """Token-order rows -> segment order (padding rows zero)."""
+        get = layout.get if isinstance(layout, dict) else lambda k: getattr(layout, k)
+        ys = xa.index_select(0, get("perm"))
+        return torch.where(get("row_valid")[:, None], ys, torch.zeros_like(ys))
+
+    # ---- lm_head LoRA, in the logits graph ----
+
+    @staticmethod
+    def add_lora_logits(logits: torch.Tensor, h: torch.Tensor, lora_a: torch.Tensor,
+                        lora_b: torch.Tensor, row_slot: torch.Tensor) -> torch.Tensor:
+        """Semantics: logits[n] += lora_b[s] @ lora_a[s] @ h[n], s = row_slot[n] (-1: none).
+        Shapes: logits [N, V], h [N, H], lora_a [L, R, H], lora_b [L, V, R], over all L
+        slots: the logits graph is keyed by the request bucket alone, and this one-hot
+        product costs N*L*R*(H+V), a fraction L*R/H of the lm_head matmul itself."""
+        num_slots, rank, hidden = lora_a.shape
+        slots = torch.arange(num_slots, device=h.device, dtype=row_slot.dtype)
+        onehot = (row_slot[:, None] == slots).to(h.dtype)  # [N, L]
+        xa = (h @ lora_a.reshape(num_slots * rank, hidden).to(h.dtype).T)
+        xa = xa.view(h.shape[0], num_slots, rank) * onehot[:, :, None]
+        delta = torch.einsum("nlr,lvr->nv", xa, lora_b.to(h.dtype))
+        return logits + delta.to(logits.dtype)
 
     def _pallas_linear(self, y, x, lora_a, lora_b, output_slices) -> torch.Tensor:
         layout = self._host_layout()

@@ -52,7 +52,7 @@ def lora_layer_kernel_shapes(
     `[(l.in_features, l.output_slices) for l in lora_manager.layers.values()]`, with
     the kernels' rank = max_lora_rank (the slot buffers are padded to it)."""
     layers = list(layers)
-    ins = sorted({d for d, _ in layers})
+    ins = sorted({d for d, _ in layers if d is not None})  # None: no shrink (a lookup)
     outs = sorted({o for _, slices in layers for o in slices})
     t, s = list(token_buckets), list(slot_buckets)
     shrinks = [k for k in kernel_shapes(t, s, ins, [rank], [dtype]) if k.op == "shrink"]

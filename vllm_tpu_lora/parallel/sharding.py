@@ -17,6 +17,9 @@ own shard. Shapes below are as stored (weights transposed, `weight_t [in, out]`)
   lora_a on dim 2 (in) and keep lora_b replicated. fully_sharded_loras also shards
   column-parallel lora_a on the rank (dim 1; XLA gathers the shrink output) and
   row-parallel lora_b on the output (dim 1), as vLLM's fully sharded (S-LoRA) layers do.
+  Per-slot vectors (LoRA bias, DoRA) and the embedding's and lm_head's LoRA stay
+  replicated: their deltas are added to replicated activations (the embedding's output,
+  the gathered logits), and each is at most vocab x rank per slot.
 
 Everything else (norms, rotary tables) is replicated.
 """
@@ -51,7 +54,7 @@ def shard_model(model: nn.Module, tpm: TPMesh) -> dict[str, str]:
         elif owner in ROW_PARALLEL and hasattr(module, "weight_t"):
             tpm.mark(module.weight_t, 0)
             done[name] = "row"
-        elif owner == "lm_head":
+        elif owner == "lm_head" and hasattr(module, "weight_t"):
             tpm.mark(module.weight_t, 1)
             module.register_forward_hook(_replicated_output(tpm, gather_from=1))
             done[name] = "vocab (lm_head)"
@@ -101,7 +104,12 @@ def shard_lora_buffers(layers: dict, tpm: TPMesh, fully_sharded: bool) -> None:
     """`layers`: {module name: LoRALinear} as the LoRA manager holds them."""
     for name, layer in layers.items():
         owner = _owner(name)
-        if owner in COLUMN_PACKED:
+        for vector in layer.lora_vectors:
+            tpm.mark(vector, None)
+        if owner in ("embed_tokens", "lm_head"):
+            for buf in (*layer.lora_a, *layer.lora_b):
+                tpm.mark(buf, None)
+        elif owner in COLUMN_PACKED:
             slices = layer.base_layer.slices  # the ColumnParallelPackedLinear's layout
             for a, b, s in zip(layer.lora_a, layer.lora_b, slices):
                 tpm.mark(a, 1 if fully_sharded else None)

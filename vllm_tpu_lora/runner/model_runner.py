@@ -66,7 +66,7 @@ class ModelRunner:
         self.capture = None if enforce_eager or tp is not None else LazyGraphCapture()
         compile_fn = self.capture.compile if self.capture else (lambda fn: fn)
         self._forward_graph = compile_fn(_bind_forward(self.model, punica))
-        self._sample_graph = compile_fn(_bind_sample(self.model))
+        self._sample_graph = compile_fn(_bind_sample(self.model, punica))
         if self.capture is not None and lora_manager is not None:
             lora_manager.use_capture(self.capture)
         if self.capture is not None:  # the graphs update the KV cache in place
@@ -74,6 +74,7 @@ class ModelRunner:
                 platform.mark_donated(cache)
         # Written between steps (slot loads): graph arguments, never baked-in constants.
         self._lora_buffers = lora_manager.buffers if lora_manager else []
+        self._logits_buffers = lora_manager.logits_buffers if lora_manager else []
         self._neg_token_ids = neg_token_ids_for(model.config["vocab_size"], self.device)
         self.guard = CompileGuard(self.capture)
         # Benchmarks: wait for each graph before the host goes on, so that XLA's
@@ -103,11 +104,21 @@ class ModelRunner:
         self._launched()
         return last
 
-    def _sample(self, last_hidden: torch.Tensor, a: StepArrays) -> torch.Tensor:
+    def _sample(self, last_hidden: torch.Tensor, a: StepArrays,
+                row_slots: np.ndarray | None = None) -> torch.Tensor:
+        """row_slots: each sampled row's device slot (-1: none); read only when lm_head
+        carries LoRA."""
         t = self._to_device
         st = dict(temperature=t(a.temperature), top_k=t(a.top_k), top_p=t(a.top_p),
                   min_p=t(a.min_p), seeds=t(a.seeds), step=t(a.steps))
-        packed = self._sample_graph(last_hidden, st, t(a.blocked_ids), self._neg_token_ids)
+        rows = {}
+        if self._logits_buffers:
+            slots = np.full(a.temperature.shape[0], -1, np.int32)
+            if row_slots is not None:
+                slots[:len(row_slots)] = row_slots
+            rows = {"row_slot": t(slots)}
+        packed = self._sample_graph(last_hidden, st, t(a.blocked_ids), self._neg_token_ids,
+                                    rows, self._logits_buffers)
         self._launched()
         return packed
 
@@ -130,7 +141,10 @@ class ModelRunner:
             arrays = prepare_step(scheduled, t_b, r_b, self.max_blocks_per_seq, self.block_size,
                                   position_of, self.eos_token_id, self.max_num_seqs)
             arrays.active_slots = active_slots
-            packed = self._sample(self._forward(arrays, s_b), arrays).cpu().numpy()
+            row_slots = np.array([active_slots[position_of[s.seq.lora_int_id]]
+                                  if s.seq.lora_int_id else -1 for s in scheduled], np.int32)
+            packed = self._sample(self._forward(arrays, s_b), arrays,
+                                  row_slots).cpu().numpy()
         n = len(scheduled)
         k = (packed.shape[1] - 3) // 2
         return StepResult(
@@ -155,9 +169,9 @@ class ModelRunner:
 
         if self.lora_manager is None:
             return []
-        layers = self.lora_manager.layers.values()
-        ins = sorted({layer.in_features for layer in layers})
-        outs = sorted({size for layer in layers for size in layer.output_slices})
+        layers = self.lora_manager.kernel_layers()
+        ins = sorted({d for d, _ in layers if d is not None})
+        outs = sorted({size for _, slices in layers for size in slices})
         rank = [self.lora_manager.max_rank]
         t, s = self.token_ladder, self.slot_ladder
         return ([k for k in kernel_shapes(t, s, ins, rank, [dtype]) if k.op == "shrink"]
@@ -225,12 +239,21 @@ def _bind_forward(model, punica):
     return model_forward
 
 
-def _bind_sample(model):
-    def logits_and_sample(last_hidden, st: dict, blocked_ids, neg_token_ids) -> torch.Tensor:
+def _bind_sample(model, punica):
+    def logits_and_sample(last_hidden, st: dict, blocked_ids, neg_token_ids, lora_rows: dict,
+                          logits_buffers) -> torch.Tensor:
         """Graph 2, per request bucket R: logits, sampling and logprobs of the first R rows,
-        packed into one float32 [R, 3 + 2K] transfer (token ids < 2**24 are exact)."""
+        packed into one float32 [R, 3 + 2K] transfer (token ids < 2**24 are exact).
+        lora_rows / logits_buffers: the rows' device slots and lm_head's LoRA buffers,
+        when lm_head carries LoRA (arguments, so slot writes are seen)."""
         st = SamplingTensors(**st)
-        logits = model.compute_logits(last_hidden[: st.temperature.shape[0]])
+        if punica is not None:
+            punica.logits_rows = lora_rows.get("row_slot")
+        try:
+            logits = model.compute_logits(last_hidden[: st.temperature.shape[0]])
+        finally:
+            if punica is not None:
+                punica.logits_rows = None
         logits = _mask_blocked(logits.float(), blocked_ids)
         out = sample(logits, st, neg_token_ids=neg_token_ids)
         raw = torch.log_softmax(logits, dim=-1)
