@@ -132,6 +132,7 @@ async def _run_requests(server, jobs, pending=None):
     pending = {} if pending is None else pending
     client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
                                 timeout=600)  # the scenario's watchdog fires first
+    _LIVE_CLIENTS.append(client)
 
     async def one(i, model, prompt):
         pending[i] = model
@@ -145,8 +146,28 @@ async def _run_requests(server, jobs, pending=None):
         finally:
             pending.pop(i, None)
 
-    async with client:
-        return dict(await asyncio.gather(*(one(*job) for job in jobs)))
+    try:
+        async with client:
+            return dict(await asyncio.gather(*(one(*job) for job in jobs)))
+    finally:
+        _LIVE_CLIENTS.remove(client)
+
+
+_LIVE_CLIENTS: list = []
+
+
+def _connection_pools() -> str:
+    """The clients' HTTP connection pools (httpcore internals, best effort): tells a request
+    the server never received (waiting for a connection) from one it did."""
+    lines = []
+    for client in _LIVE_CLIENTS:
+        try:
+            pool = client._client._transport._pool
+            lines.append(f"connections {pool.connections!r}; waiting requests "
+                         f"{len(getattr(pool, '_requests', []))}")
+        except AttributeError as e:
+            lines.append(f"(pool not readable: {e})")
+    return "\n".join(lines)
 
 
 def hang_report(server, pending) -> str:
@@ -164,7 +185,7 @@ def hang_report(server, pending) -> str:
         f.seek(0)
         client_threads = f.read()
     return (f"unanswered requests {pending}; server stats: {stats}\n{server.thread_dump()}\n"
-            f"client threads:\n{client_threads}")
+            f"client pools:\n{_connection_pools()}\nclient threads:\n{client_threads}")
 
 
 def test_chaos_broken_adapters_fail_alone(server, oracle, served):

@@ -73,6 +73,14 @@ def _serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _serve_ray(args: argparse.Namespace) -> int:
+    try:
+        from vllm_tpu_lora.entrypoints.ray_serve import run
+    except ImportError as e:
+        raise ValueError(f"serve-ray needs Ray Serve: pip install -e \".[ray]\" ({e})") from None
+    return run(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from vllm_tpu_lora.entrypoints.demo import run_demo
 
@@ -105,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
                                          "bundled demo model with its adapters)")
     add_server_args(serve, positional_model=True)
     serve.set_defaults(func=_serve)
+    ray = sub.add_parser("serve-ray", help="the same server as N engine replicas on Ray Serve, "
+                                           "routing each request to a replica holding its "
+                                           "adapter (needs the [ray] extra)")
+    add_server_args(ray, positional_model=True)
+    from vllm_tpu_lora.entrypoints.ray_args import add_ray_args
+
+    add_ray_args(ray)
+    ray.set_defaults(func=_serve_ray)
     return parser
 
 

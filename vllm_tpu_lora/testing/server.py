@@ -27,21 +27,25 @@ def free_port() -> int:
 class RemoteServer:
     def __init__(self, args: list[str], *, env: dict[str, str] | None = None,
                  startup_timeout: float = 240.0, api_key: str | None = None,
-                 wait: bool = True) -> None:
+                 wait: bool = True, command: list[str] | None = None,
+                 stop_timeout: float = 20.0) -> None:
         """Launch the server; with wait=False call wait_healthy() later (so the caller can
-        do other start-up work, e.g. build an offline engine, while the server compiles)."""
+        do other start-up work, e.g. build an offline engine, while the server compiles).
+        command: what to run instead of the api_server module (e.g. the CLI's serve-ray).
+        stop_timeout: how long stop() lets it shut down after SIGTERM before killing it."""
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vtl-server-", suffix=".log",
                                                delete=False)
-        cmd = [sys.executable, "-m", "vllm_tpu_lora.entrypoints.openai.api_server",
+        cmd = [*(command or [sys.executable, "-m", "vllm_tpu_lora.entrypoints.openai.api_server"]),
                "--host", HOST, "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
         if wait:
             self.wait_healthy()
 
@@ -97,7 +101,7 @@ class RemoteServer:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)

@@ -17,7 +17,9 @@ import logging
 import sys
 from collections.abc import AsyncIterator
 from contextlib import suppress
+from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -193,7 +195,18 @@ def _chat_template(value: str | None) -> str | None:
     return value  # not a file: the template itself
 
 
-async def run_server(args: argparse.Namespace) -> None:
+@dataclass
+class Server:
+    """A built server: its app and what the app serves (see build_server)."""
+    app: FastAPI
+    engine: Any  # AsyncLLMEngine
+    models: OpenAIServingModels
+
+
+async def build_server(args: argparse.Namespace) -> Server:
+    """Everything `serve` runs except the listening socket: check the arguments and adapter
+    paths, build and precompile the engine, load --lora-modules, build the app. Ray Serve's
+    replicas (entrypoints/ray_serve.py) run this same app in-process."""
     from transformers import AutoTokenizer
 
     from vllm_tpu_lora.engine.async_engine import AsyncLLMEngine
@@ -222,9 +235,18 @@ async def run_server(args: argparse.Namespace) -> None:
                                  chat_template=_chat_template(args.chat_template))
         app = build_app(engine, models, completion, chat, metrics,
                         args.api_key or api_key_from_env())
-        await _serve_http(app, args)
-    finally:
+    except BaseException:
         engine.shutdown()
+        raise
+    return Server(app, engine, models)
+
+
+async def run_server(args: argparse.Namespace) -> None:
+    server = await build_server(args)
+    try:
+        await _serve_http(server.app, args)
+    finally:
+        server.engine.shutdown()
 
 
 async def _serve_http(app: FastAPI, args: argparse.Namespace) -> None:
