@@ -4,6 +4,14 @@
 import os
 
 os.environ.setdefault("VLLM_TPU_LORA_CHECK_RECOMPILATION", "1")
+# XLA keeps every compiled executable in memory (an LRU of 2048 by default), and each one
+# holds ~70 memory mappings of JIT code on XLA:CPU: the suite builds enough differently
+# shaped engines that its process passed the kernel's 65,530-mapping limit and XLA's next
+# compile segfaulted (measured: +1,500 mappings per tiny LoRA engine, flat once the LRU is
+# small). 384 executables (~27k mappings) is far more than the engines alive at any one
+# time use; an engine whose graph was evicted would fail loudly ("Failed to get
+# computation by hash"), never silently. Servers the tests start inherit it.
+os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "384")
 
 import pytest  # noqa: E402
 

@@ -135,15 +135,20 @@ def test_outputs_equal_peft_and_affinity_bounds_adapter_loads(server, oracle):
 
 def test_without_affinity_loads_grow_and_sigterm_stops_the_cluster(llama_dir, adapters,
                                                                      oracle, server):
+    # Waves of one request per model, one wave after the other: without affinity each
+    # replica sees a random ~half of the 6 adapters per wave through its 4-entry cache.
+    waves = [workload(rounds=1, seed=10 + w) for w in range(6)]
     with_affinity_before = adapter_loads(server)
-    first, jobs = workload(rounds=1, seed=2), workload(rounds=6, seed=2)
-    assert run(server, jobs) == expected(oracle, jobs)
+    for wave in waves:
+        assert run(server, wave) == expected(oracle, wave)
     with_affinity = adapter_loads(server) - with_affinity_before
     plain = _server(llama_dir, adapters, "--no-adapter-affinity")
     try:
-        before = adapter_loads(plain)
+        first = workload(rounds=1, seed=2)
         assert run(plain, first, stagger=1.0) == expected(oracle, first)
-        assert run(plain, jobs) == expected(oracle, jobs)
+        before = adapter_loads(plain)
+        for wave in waves:
+            assert run(plain, wave) == expected(oracle, wave)
         without = adapter_loads(plain) - before
         procs = {p: " ".join(p.cmdline()) for p in
                  psutil.Process(plain.proc.pid).children(recursive=True)}
@@ -151,7 +156,8 @@ def test_without_affinity_loads_grow_and_sigterm_stops_the_cluster(llama_dir, ad
         plain.proc.send_signal(signal.SIGTERM)
         code = plain.proc.wait(timeout=120)
         plain.stop()
-    print(f"adapter loads for {len(jobs)} requests: affinity {with_affinity}, none {without}")
+    print(f"adapter loads for {6 * len(waves[0])} requests: affinity {with_affinity}, "
+          f"none {without}")
     assert without > with_affinity + len(NAMES), (without, with_affinity)
     assert code == 0
     assert any("raylet" in cmd for cmd in procs.values())
