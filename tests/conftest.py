@@ -7,11 +7,12 @@ os.environ.setdefault("VLLM_TPU_LORA_CHECK_RECOMPILATION", "1")
 # XLA keeps every compiled executable in memory (an LRU of 2048 by default), and each one
 # holds ~70 memory mappings of JIT code on XLA:CPU: the suite builds enough differently
 # shaped engines that its process passed the kernel's 65,530-mapping limit and XLA's next
-# compile segfaulted (measured: +1,500 mappings per tiny LoRA engine, flat once the LRU is
-# small). 384 executables (~27k mappings) is far more than the engines alive at any one
-# time use; an engine whose graph was evicted would fail loudly ("Failed to get
-# computation by hash"), never silently. Servers the tests start inherit it.
-os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "384")
+# compile segfaulted (measured: +1,500 mappings per tiny LoRA engine, up to ~4,000 for the
+# Pallas-interpret ones; flat once the LRU is small). 128 executables (~30k mappings)
+# is far more than the engines one module keeps alive use; an engine whose graph was
+# evicted would fail loudly ("Failed to get computation by hash"), never silently, so no
+# engine outlives its module. Servers the tests start inherit it.
+os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "128")
 
 import pytest  # noqa: E402
 
@@ -33,8 +34,8 @@ def qwen2_dir(tmp_path_factory):
     return make_tiny_qwen2(str(tmp_path_factory.mktemp("qwen2")), tie_word_embeddings=True)
 
 
-@pytest.fixture(scope="session")
-def llama_llm(llama_dir):
+@pytest.fixture(scope="module")  # not session: XLA's capped executable cache (above)
+def llama_llm(llama_dir):           # would evict an engine's graphs between distant uses
     from vllm_tpu_lora import LLM
 
     return LLM(llama_dir, **SMALL_ENGINE)

@@ -88,11 +88,14 @@ def test_lora_widths_are_the_packed_slices():
 
 
 def test_shape_listing_matches_the_runner():
+    from vllm_tpu_lora.lora.manager import LoRAManager
     from vllm_tpu_lora.runner.model_runner import ModelRunner
 
     layers = lora_layers("Qwen2.5-7B", rank=64)
+    manager = SimpleNamespace(layers=layers, max_rank=64)
+    manager.kernel_layers = lambda: LoRAManager.kernel_layers(manager)
     fake_runner = SimpleNamespace(
-        lora_manager=SimpleNamespace(layers=layers, max_rank=64),
+        lora_manager=manager,
         token_ladder=TOKEN_BUCKETS,
         slot_ladder=SLOT_BUCKETS,
     )
