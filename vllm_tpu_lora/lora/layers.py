@@ -124,24 +124,23 @@ class LoRALinear(nn.Module):
         return outs
 
 
-class LoRAEmbedding(nn.Module):
-    """The token embedding plus PEFT's embedding LoRA: y = E[id] + s * B @ A[:, id]. Its A is
-    held by token, `lora_a_0[max_loras, vocab, R]`, so the shrink is one row lookup."""
+class _VocabLoRA(nn.Module):
+    """One adapted slice over a vocabulary-sized layer (embedding or lm_head): a single
+    A/B buffer pair, no per-slot vectors (DoRA / lora_bias are not served there)."""
 
-    a_by_input = True
     vector_kinds: list[str] = []
     lora_vectors: list[torch.Tensor] = []
 
-    def __init__(self, base: nn.Embedding, punica: PunicaWrapper, max_loras: int,
-                 max_rank: int, dtype: torch.dtype) -> None:
+    def __init__(self, base: nn.Module, punica: PunicaWrapper, in_features: int, out: int,
+                 a_shape: tuple[int, int], max_loras: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.base_layer = base
         self.punica = punica
-        self.in_features, hidden = base.weight.shape  # in: the vocabulary
-        self.output_slices = [hidden]
-        self.register_buffer("lora_a_0", torch.zeros(max_loras, self.in_features, max_rank,
-                                                     dtype=dtype), persistent=False)
-        self.register_buffer("lora_b_0", torch.zeros(max_loras, hidden, max_rank, dtype=dtype),
+        self.in_features, self.output_slices = in_features, [out]
+        self.register_buffer("lora_a_0", torch.zeros(max_loras, *a_shape, dtype=dtype),
+                             persistent=False)
+        rank = a_shape[1] if self.a_by_input else a_shape[0]
+        self.register_buffer("lora_b_0", torch.zeros(max_loras, out, rank, dtype=dtype),
                              persistent=False)
 
     @property
@@ -151,6 +150,18 @@ class LoRAEmbedding(nn.Module):
     @property
     def lora_b(self) -> list[torch.Tensor]:
         return [self.lora_b_0]
+
+
+class LoRAEmbedding(_VocabLoRA):
+    """The token embedding plus PEFT's embedding LoRA: y = E[id] + s * B @ A[:, id]. Its A is
+    held by token, `lora_a_0[max_loras, vocab, R]`, so the shrink is one row lookup."""
+
+    a_by_input = True
+
+    def __init__(self, base: nn.Embedding, punica: PunicaWrapper, max_loras: int,
+                 max_rank: int, dtype: torch.dtype) -> None:
+        vocab, hidden = base.weight.shape
+        super().__init__(base, punica, vocab, hidden, (vocab, max_rank), max_loras, dtype)
 
     @property
     def weight(self) -> torch.Tensor:  # tied lm_heads and the loader read it
@@ -163,33 +174,17 @@ class LoRAEmbedding(nn.Module):
         return self.punica.add_lora_embedding(y, ids, self.lora_a_0, self.lora_b_0)
 
 
-class LoRALogits(nn.Module):
+class LoRALogits(_VocabLoRA):
     """lm_head plus its LoRA, applied in the logits graph to the rows whose slots the
     sampler set (`punica.logits_rows`); elsewhere (no rows set) the plain lm_head."""
 
     a_by_input = False
-    vector_kinds: list[str] = []
-    lora_vectors: list[torch.Tensor] = []
 
     def __init__(self, base: nn.Module, punica: PunicaWrapper, max_loras: int,
                  max_rank: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.base_layer = base
-        self.punica = punica
-        self.in_features, vocab = base.in_features, base.out_features
-        self.output_slices = [vocab]
-        self.register_buffer("lora_a_0", torch.zeros(max_loras, max_rank, self.in_features,
-                                                     dtype=dtype), persistent=False)
-        self.register_buffer("lora_b_0", torch.zeros(max_loras, vocab, max_rank, dtype=dtype),
-                             persistent=False)
-
-    @property
-    def lora_a(self) -> list[torch.Tensor]:
-        return [self.lora_a_0]
-
-    @property
-    def lora_b(self) -> list[torch.Tensor]:
-        return [self.lora_b_0]
+        hidden = base.in_features
+        super().__init__(base, punica, hidden, base.out_features, (max_rank, hidden),
+                         max_loras, dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.base_layer(h)
