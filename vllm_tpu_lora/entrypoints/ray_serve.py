@@ -100,7 +100,7 @@ class _ASGICall:
             if not task.done():
                 try:  # let the app abort its engine requests, then stop waiting
                     await asyncio.wait_for(asyncio.shield(task), timeout=5)
-                except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - best effort
+                except Exception:  # noqa: BLE001 - best effort (a timeout, or the app's error)
                     task.cancel()
 
 
@@ -112,7 +112,6 @@ class EngineReplicaBase:
 
         logging.basicConfig(level=logging.INFO,
                             format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-        self.args = args
         self.server = await build_server(args)
         self.models = self.server.models
 
@@ -202,7 +201,7 @@ class IngressBase:
                "headers": [(k.decode("latin-1"), v.decode("latin-1"))
                            for k, v in request.headers.raw]}
         if req["path"] in _BROADCAST_PATHS and req["method"] == "POST":
-            return await self._broadcast(req, body)
+            return await self._broadcast(req)
         model = _model_of(body) if req["path"] in _ROUTED_PATHS else None
         handle = self.replicas.options(stream=True)
         if self.affinity and model:
@@ -210,7 +209,7 @@ class IngressBase:
         runtime = self.runtime_adapters.get(model) if model else None
         return await _forward_with_retries(handle, req, runtime)
 
-    async def _broadcast(self, req: dict, body: bytes):
+    async def _broadcast(self, req: dict):
         """Every replica applies an adapter load/unload (or cache reset); the answer is the
         first failure if any, else the first success."""
         from fastapi.responses import Response
@@ -222,9 +221,9 @@ class IngressBase:
         if isinstance(answer, BaseException):
             return _error_response(503, f"a replica failed: {answer!r}")
         if not failed and req["path"] != "/reset_prefix_cache":
-            self._remember(req["path"], body)
+            self._remember(req["path"], req["body"])
         elif failed and req["path"] == "/v1/load_lora_adapter" and len(failed) < len(responses):
-            await self._undo_partial_load(req, body)
+            await self._undo_partial_load(req)
         status, headers, content = answer
         return Response(content, status_code=status,
                         headers={k: v for k, v in headers if k.lower() != "content-length"})
@@ -237,10 +236,10 @@ class IngressBase:
         else:
             self.runtime_adapters.pop(data.get("lora_name"), None)
 
-    async def _undo_partial_load(self, req: dict, body: bytes) -> None:
+    async def _undo_partial_load(self, req: dict) -> None:
         # Some replicas loaded it, some refused: unload it everywhere (unless it was an
         # in-place reload of a known adapter), so the replicas agree again.
-        data = json.loads(body)
+        data = json.loads(req["body"])
         if data.get("load_inplace"):
             return
         undo = {**req, "path": "/v1/unload_lora_adapter",

@@ -347,22 +347,22 @@ def _group_tensors(tensors: dict[str, torch.Tensor], targets: dict[str, _Target]
         if parsed is None:
             raise _Invalid(f"unexpected tensor {key!r}: only lora_A/lora_B weights are supported.")
         module, kind, adapter, param = parsed
-        is_embedding = module.rsplit(".", 1)[-1] == "embed_tokens"
-        if module.rsplit(".", 1)[-1] in VOCAB_TARGETS and module not in targets:
-            raise _Invalid(_vocab_module_msg([module]))
-        if module in targets and module in _VOCAB_MODULES.values() \
-                and cfg.get("ensure_weight_tying"):
-            raise _Invalid("ensure_weight_tying=True (one LoRA shared by tied embed_tokens "
-                           "and lm_head) is not supported.")
+        leaf = module.rsplit(".", 1)[-1]
+        is_embedding = leaf == "embed_tokens"
+        if leaf in VOCAB_TARGETS:  # from here on: a vocabulary module the engine serves
+            if module not in targets:
+                raise _Invalid(_vocab_module_msg([module]))
+            if cfg.get("ensure_weight_tying"):
+                raise _Invalid("ensure_weight_tying=True (one LoRA shared by tied embed_tokens "
+                               "and lm_head) is not supported.")
+            if kind == "lora_magnitude_vector" or (kind == "lora_B" and param == "bias"):
+                raise _Invalid(f"DoRA and lora_bias on {module} are not supported (only on "
+                               "the q/k/v/o/gate/up/down projections).")
         if kind.startswith("lora_embedding_") != is_embedding:
             raise _Invalid(f"unexpected tensor {key!r}: PEFT stores an embedding's LoRA as "
                            "lora_embedding_A/B and a linear layer's as lora_A/B.")
         if is_embedding and param is None:
             kind, param = kind.replace("embedding_", ""), "weight"
-        if module in _VOCAB_MODULES.values() and kind in ("lora_magnitude_vector", "lora_B") \
-                and (param == "bias" or kind == "lora_magnitude_vector"):
-            raise _Invalid(f"DoRA and lora_bias on {module} are not supported (only on the "
-                           "q/k/v/o/gate/up/down projections).")
         if kind == "lora_B" and param == "bias" and cfg.get("lora_bias"):
             kind = "lora_B_bias"
         elif kind == "lora_magnitude_vector" and param in (None, "weight") and cfg.get("use_dora"):

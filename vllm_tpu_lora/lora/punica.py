@@ -234,11 +234,12 @@ class PunicaWrapper:
         xa = torch.where(self.step["token_valid"][:, None], xa, torch.zeros_like(xa))
         if not self.fuse_slices:  # tensor parallel: the per-slice ops' segment layout
             layout = self._get_layout(y.dtype)
-            return self.add_expand(y, self._to_segments(xa, layout), lora_b, 0, y.shape[1])
+            ys = _to_segments(xa, layout.perm, layout.row_valid)
+            return self.add_expand(y, ys, lora_b, 0, y.shape[1])
         if self.backend == "pallas":
             layout = self._host_layout()
-            return ops.segment_expand(self._to_segments(xa, layout), lora_b, layout, y, 0,
-                                      y.shape[1], backend="pallas")
+            return ops.segment_expand(_to_segments(xa, layout.perm, layout.row_valid), lora_b,
+                                      layout, y, 0, y.shape[1], backend="pallas")
         strategy = self.xla_strategy(y.shape[0], self.num_active_slots)
         if strategy == "single":
             return self._single_expand(y, xa, [lora_b])
@@ -247,17 +248,9 @@ class PunicaWrapper:
                                        [lora_b])
         if strategy == "gathered":
             return self._gathered_expand(y, xa, [lora_b])
-        layout = self.step
-        ys = self._to_segments(xa, layout)
-        nb = layout["block_slot"].shape[0]
+        ys = _to_segments(xa, self.step["perm"], self.step["row_valid"])
+        nb = self.step["block_slot"].shape[0]
         return self._grouped_expand(y, ys.view(nb, ys.shape[0] // nb, rank), [lora_b])
-
-    @staticmethod
-    def _to_segments(xa: torch.Tensor, layout) -> torch.Tensor:
-        """Token-order rows -> segment order (padding rows zero)."""
-        get = layout.get if isinstance(layout, dict) else lambda k: getattr(layout, k)
-        ys = xa.index_select(0, get("perm"))
-        return torch.where(get("row_valid")[:, None], ys, torch.zeros_like(ys))
 
     # ---- lm_head LoRA, in the logits graph ----
 
@@ -321,3 +314,9 @@ class PunicaWrapper:
         b = lora_b.index_select(0, self.step["active_slots"])
         return ops.segment_expand(ys, b, self._get_layout(y.dtype), y, offset, size,
                                   backend=self.backend)
+
+
+def _to_segments(xa: torch.Tensor, perm: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
+    """Token-order rows -> segment order (padding rows zero)."""
+    ys = xa.index_select(0, perm)
+    return torch.where(row_valid[:, None], ys, torch.zeros_like(ys))

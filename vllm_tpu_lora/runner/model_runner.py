@@ -141,8 +141,10 @@ class ModelRunner:
             arrays = prepare_step(scheduled, t_b, r_b, self.max_blocks_per_seq, self.block_size,
                                   position_of, self.eos_token_id, self.max_num_seqs)
             arrays.active_slots = active_slots
-            row_slots = np.array([active_slots[position_of[s.seq.lora_int_id]]
-                                  if s.seq.lora_int_id else -1 for s in scheduled], np.int32)
+            row_slots = None  # the logits graph reads them only when lm_head carries LoRA
+            if self._logits_buffers:
+                row_slots = np.array([active_slots[position_of[s.seq.lora_int_id]]
+                                      if s.seq.lora_int_id else -1 for s in scheduled], np.int32)
             packed = self._sample(self._forward(arrays, s_b), arrays,
                                   row_slots).cpu().numpy()
         n = len(scheduled)
