@@ -95,3 +95,37 @@ def test_chat_uses_the_template(llama_llm):
     plain = llama_llm.generate({"prompt_token_ids": list(ids)}, params, use_tqdm=False)[0]
     assert chat.prompt_token_ids == list(ids)
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_all_greedy_steps_use_the_greedy_graph_and_match_the_full_sampler(llama_llm):
+    """A step whose rows are all greedy and want no top logprobs runs the greedy-only sample
+    graph; its tokens, sampled logprobs and ranks equal the full sampler's (the same
+    requests with top logprobs, which force the full graph), min_tokens masking included."""
+    runner = llama_llm.llm_engine.runner
+    calls = []
+    real = runner._sample_graph
+
+    def spy(*args):
+        calls.append(args[-1])  # the graph's `greedy` key
+        return real(*args)
+
+    prompts = ["The cat looks at the lazy fox", "Once upon a time", "a b c d e f g"]
+    kw = dict(temperature=0.0, max_tokens=10, ignore_eos=True, min_tokens=4,
+              stop_token_ids=[7])
+    runner._sample_graph = spy
+    try:
+        fast = llama_llm.generate(prompts, SamplingParams(logprobs=0, **kw), use_tqdm=False)
+        assert calls and all(calls)
+        calls.clear()
+        full = llama_llm.generate(prompts, SamplingParams(logprobs=3, **kw), use_tqdm=False)
+        assert calls and not any(calls)
+    finally:
+        runner._sample_graph = real
+    for f, g in zip(fast, full):
+        f, g = f.outputs[0], g.outputs[0]
+        assert f.token_ids == g.token_ids
+        for t, fe, ge in zip(f.token_ids, f.logprobs, g.logprobs):
+            assert fe[t].rank == ge[t].rank
+            assert math.isclose(fe[t].logprob, ge[t].logprob, abs_tol=1e-6)
+        assert len(f.logprobs[0]) == 1 and len(g.logprobs[0]) >= 3
+    assert llama_llm.llm_engine.stats()["compilations_after_warmup"] == 0

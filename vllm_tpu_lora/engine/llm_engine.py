@@ -267,8 +267,10 @@ class LLMEngine:
             if self.lora_manager is not None and self.scheduler.waiting:
                 self.lora_manager.registry.wait_for_loads(_LOAD_WAIT_S)  # don't spin on the GIL
             return failed
-        want_lp = any(s.seq.params.logprobs is not None for s in out.scheduled)
-        result = self.runner.execute(out.scheduled, want_lp)
+        # Top logprobs cost the sampler a topk (and keep the step off the greedy graph);
+        # logprobs=0 needs only the sampled token's logprob and rank, which every step has.
+        want_top = any((s.seq.params.logprobs or 0) > 0 for s in out.scheduled)
+        result = self.runner.execute(out.scheduled, want_top)
         self.scheduler.update(out)
         self.num_steps += 1
         touched: dict[str, RequestState] = {}
@@ -276,7 +278,8 @@ class LLMEngine:
             if not s.samples:
                 continue
             seq = s.seq
-            topk = (result.topk_ids[i].tolist(), result.topk_logprobs[i].tolist()) if want_lp else None
+            topk = None if result.topk_ids is None else (result.topk_ids[i].tolist(),
+                                                         result.topk_logprobs[i].tolist())
             append_token(seq, int(result.token_ids[i]), float(result.logprobs[i]),
                          int(result.ranks[i]), topk, self.tokenizer)
             status = check_stop(seq, self.eos_token_id, self.max_model_len)

@@ -33,7 +33,7 @@ def append_token(seq: Sequence, token_id: int, logprob: float, rank: int,
     seq.detok.add_token(token_id)
     if seq.params.logprobs is not None:
         entry = {token_id: Logprob(logprob, rank, tokenizer.decode([token_id]))}
-        ids, lps = topk
+        ids, lps = topk or ([], [])  # none: logprobs=0 (only the sampled token's)
         for r, (tid, lp) in enumerate(zip(ids[: seq.params.logprobs], lps), start=1):
             entry.setdefault(tid, Logprob(float(lp), r, tokenizer.decode([tid])))
         seq.logprobs.append(entry)

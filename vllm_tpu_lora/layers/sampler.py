@@ -118,6 +118,17 @@ def sample(logits: torch.Tensor, t: SamplingTensors, max_logprobs: int = MAX_LOG
     )
 
 
+def sample_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` restricted to all-greedy rows without top logprobs: (token ids int32 [R],
+    raw logprob of each [R]), the same ops on the same values as `sample`'s greedy rows, so
+    the same tokens and logprobs. It skips what only random rows and top logprobs need
+    (filters' bisection, noise, topk), ~10x cheaper per step on XLA CPU."""
+    logits = logits.float()
+    token_ids = torch.argmax(logits, dim=-1)
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    return token_ids.to(torch.int32), raw_logprobs.gather(-1, token_ids[:, None])[:, 0]
+
+
 _NEG_TOKEN_IDS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 

@@ -2,7 +2,9 @@
 
 Two graphs per step: the model forward keyed by (token bucket, LoRA-slot bucket), which
 ends by picking the last hidden row of up to max_num_seqs sequences, and logits +
-sampling keyed by the request bucket alone. Graph counts add instead of multiply.
+sampling keyed by the request bucket and whether the step is all greedy without top
+logprobs (vLLM's all-greedy fast path: argmax only, no filters, noise or topk). Graph
+counts add instead of multiply.
 Inputs are prepared on the host in numpy and moved once; the sampler's results come
 back in one packed transfer.
 """
@@ -20,7 +22,7 @@ from vllm_tpu_lora import platform
 from vllm_tpu_lora.engine.scheduler import ScheduledSeq
 from vllm_tpu_lora.layers.attention import AttentionMetadata
 from vllm_tpu_lora.layers.linear import pretranspose_linears
-from vllm_tpu_lora.layers.sampler import SamplingTensors, neg_token_ids_for, sample
+from vllm_tpu_lora.layers.sampler import SamplingTensors, neg_token_ids_for, sample, sample_greedy
 from vllm_tpu_lora.runner import buckets
 from vllm_tpu_lora.runner.compile_guard import CompileGuard
 from vllm_tpu_lora.runner.input_batch import StepArrays, prepare_step
@@ -105,12 +107,14 @@ class ModelRunner:
         return last
 
     def _sample(self, last_hidden: torch.Tensor, a: StepArrays,
-                row_slots: np.ndarray | None = None) -> torch.Tensor:
+                row_slots: np.ndarray | None = None, greedy: bool = False) -> torch.Tensor:
         """row_slots: each sampled row's device slot (-1: none); read only when lm_head
-        carries LoRA."""
+        carries LoRA. greedy: every row is greedy and no top logprobs are wanted (the
+        parameters are then not even uploaded)."""
         t = self._to_device
-        st = dict(temperature=t(a.temperature), top_k=t(a.top_k), top_p=t(a.top_p),
-                  min_p=t(a.min_p), seeds=t(a.seeds), step=t(a.steps))
+        st = {} if greedy else dict(
+            temperature=t(a.temperature), top_k=t(a.top_k), top_p=t(a.top_p),
+            min_p=t(a.min_p), seeds=t(a.seeds), step=t(a.steps))
         rows = {}
         if self._logits_buffers:
             slots = np.full(a.temperature.shape[0], -1, np.int32)
@@ -118,7 +122,7 @@ class ModelRunner:
                 slots[:len(row_slots)] = row_slots
             rows = {"row_slot": t(slots)}
         packed = self._sample_graph(last_hidden, st, t(a.blocked_ids), self._neg_token_ids,
-                                    rows, self._logits_buffers)
+                                    rows, self._logits_buffers, greedy)
         self._launched()
         return packed
 
@@ -131,7 +135,7 @@ class ModelRunner:
     # ---- public ----
 
     @torch.no_grad()
-    def execute(self, scheduled: list[ScheduledSeq], want_logprobs: bool) -> StepResult:
+    def execute(self, scheduled: list[ScheduledSeq], want_top_logprobs: bool) -> StepResult:
         n_tok = sum(s.num_tokens for s in scheduled)
         t_b = buckets.pick(self.token_ladder, n_tok)
         r_b = buckets.pick(self.request_ladder, len(scheduled))
@@ -145,15 +149,16 @@ class ModelRunner:
             if self._logits_buffers:
                 row_slots = np.array([active_slots[position_of[s.seq.lora_int_id]]
                                       if s.seq.lora_int_id else -1 for s in scheduled], np.int32)
-            packed = self._sample(self._forward(arrays, s_b), arrays,
-                                  row_slots).cpu().numpy()
+            greedy = not want_top_logprobs and all(s.seq.params.is_greedy for s in scheduled)
+            packed = self._sample(self._forward(arrays, s_b), arrays, row_slots,
+                                  greedy).cpu().numpy()
         n = len(scheduled)
-        k = (packed.shape[1] - 3) // 2
+        k = (packed.shape[1] - 3) // 2  # 0 from the greedy graph
         return StepResult(
             token_ids=packed[:n, 0].astype(np.int64), logprobs=packed[:n, 1],
             ranks=packed[:n, 2].astype(np.int64),
-            topk_ids=packed[:n, 3:3 + k].astype(np.int64) if want_logprobs else None,
-            topk_logprobs=packed[:n, 3 + k:] if want_logprobs else None)
+            topk_ids=packed[:n, 3:3 + k].astype(np.int64) if want_top_logprobs else None,
+            topk_logprobs=packed[:n, 3 + k:] if want_top_logprobs else None)
 
     def _activate_loras(self, scheduled: list[ScheduledSeq]) -> tuple[dict[int, int], list[int]]:
         """Adapters of this step into device slots: ({lora_int_id: active position},
@@ -184,7 +189,7 @@ class ModelRunner:
         start = time.perf_counter()
         before = platform.compile_count()
         n_fwd = len(self.token_ladder) * len(self.slot_ladder)
-        bar = tqdm(total=n_fwd + len(self.request_ladder), desc="Precompiling graphs",
+        bar = tqdm(total=n_fwd + 2 * len(self.request_ladder), desc="Precompiling graphs",
                    unit="graph")
         if self.lora_manager is not None:  # also compiles the slot-write graph
             warm = self.lora_manager.warmup_adapter()
@@ -195,8 +200,10 @@ class ModelRunner:
                 last = self._forward(self._dummy(t_b, self.request_ladder[0], s_b), s_b)
                 bar.update(1)
         for r_b in self.request_ladder:
-            self._sample(last, self._dummy(self.token_ladder[0], r_b, 0)).cpu()
-            bar.update(1)
+            for greedy in (False, True):
+                self._sample(last, self._dummy(self.token_ladder[0], r_b, 0),
+                             greedy=greedy).cpu()
+                bar.update(1)
         bar.close()
         if self.lora_manager is not None:
             self.lora_manager.clear_all_slots()
@@ -243,26 +250,31 @@ def _bind_forward(model, punica):
 
 def _bind_sample(model, punica):
     def logits_and_sample(last_hidden, st: dict, blocked_ids, neg_token_ids, lora_rows: dict,
-                          logits_buffers) -> torch.Tensor:
-        """Graph 2, per request bucket R: logits, sampling and logprobs of the first R rows,
-        packed into one float32 [R, 3 + 2K] transfer (token ids < 2**24 are exact).
+                          logits_buffers, greedy: bool) -> torch.Tensor:
+        """Graph 2, per (request bucket R, greedy): logits, sampling and logprobs of the
+        first R rows, packed into one float32 [R, 3 + 2K] transfer (token ids < 2**24 are
+        exact; K = 0 in the greedy graph, which has no top logprobs).
         lora_rows / logits_buffers: the rows' device slots and lm_head's LoRA buffers,
         when lm_head carries LoRA (arguments, so slot writes are seen)."""
-        st = SamplingTensors(**st)
         if punica is not None:
             punica.logits_rows = lora_rows.get("row_slot")
         try:
-            logits = model.compute_logits(last_hidden[: st.temperature.shape[0]])
+            logits = model.compute_logits(last_hidden[: blocked_ids.shape[0]])
         finally:
             if punica is not None:
                 punica.logits_rows = None
         logits = _mask_blocked(logits.float(), blocked_ids)
-        out = sample(logits, st, neg_token_ids=neg_token_ids)
+        if greedy:
+            token_ids, logprobs = sample_greedy(logits)
+            top = []
+        else:
+            out = sample(logits, SamplingTensors(**st), neg_token_ids=neg_token_ids)
+            token_ids, logprobs = out.sampled_token_ids, out.sampled_logprobs
+            top = [out.topk_token_ids.float(), out.topk_logprobs]
         raw = torch.log_softmax(logits, dim=-1)
-        rank = (raw > out.sampled_logprobs[:, None]).sum(-1) + 1
-        return torch.cat([out.sampled_token_ids[:, None].float(), out.sampled_logprobs[:, None],
-                          rank[:, None].float(), out.topk_token_ids.float(),
-                          out.topk_logprobs], dim=1)
+        rank = (raw > logprobs[:, None]).sum(-1) + 1
+        return torch.cat([token_ids[:, None].float(), logprobs[:, None], rank[:, None].float(),
+                          *top], dim=1)
     return logits_and_sample
 
 
