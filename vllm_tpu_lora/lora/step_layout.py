@@ -44,8 +44,8 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # from another 2-core host), S=8: T=128 onehot 4.13 | grouped B=16 4.45; T=256 4.24 | 7.87;
 # T=512 8.98 | 12.07 (and in the engine, 8 adapters' 256-token prefill steps cost +20 ms
 # over the base with onehot, +37 ms grouped); S=16: T=128 onehot 4.98 | grouped 4.60,
-# T=256 7.61 | 6.80. So grouped is kept only from 16 adapters; at 8 the one-hot product
-# wins on this host and the other's 1.4x grouped advantage at T=256 was the smaller gap.
+# T=256 7.61 | 6.80. So grouped is kept only from 16 adapters: at 8, one-hot wins here by
+# up to 1.9x, more than grouped's 1.4x lead at T=256 on the other host.
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul
 GROUPED_FROM = ((16, 64),)  # (min S, min T) pairs where grouped wins
 GATHERED_UP_TO = ((8, 32), (16, 64))  # (min S, max T) pairs where gathered wins
