@@ -28,6 +28,13 @@ stacked slot buffers, for each xla strategy (single adapter, one-hot over the ac
 slots, grouped matmul at token block B), captured once and replayed (device time):
 
     python benchmarks/benchmark_ops.py --packed [--tokens 16 64 256] [--slots 1 2 4 8]
+
+`--packed --mixed H` instead gives every layer its own weights (as in a model: the
+default reuses one layer's, which then stay in cache) and makes each step look like
+continuous batching: H adapters share the prefill tokens, every other active adapter has
+one decode token. This is where the split strategy (lora/step_layout.py) was measured:
+
+    python benchmarks/benchmark_ops.py --packed --mixed 4 --tokens 64 128 256 --slots 8 16
 """
 
 from __future__ import annotations
@@ -190,6 +197,8 @@ def packed_main(argv: list[str]) -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--mixed", type=int, default=0, metavar="H",
+                   help="distinct weights per layer; H heavy adapters, one token for the rest")
     packed_rows(p.parse_args(argv))
 
 
@@ -216,32 +225,47 @@ def packed_rows(args) -> list[dict]:
     import numpy as np
 
     from vllm_tpu_lora.lora.punica import PunicaWrapper
+    from vllm_tpu_lora.runner.buckets import slot_buckets
     from vllm_tpu_lora.runner.lazy_capture import LazyGraphCapture
 
     dev = platform.xla_device()
-    layers = _packed_layers(args.dim, args.inter, args.kv, args.rank, max(args.slots), dev)
+    per_layer = [_packed_layers(args.dim, args.inter, args.kv, args.rank, max(args.slots), dev)
+                 for _ in range(args.layers if args.mixed else 1)]
+    layers = per_layer[0]
     rows = []
     for t in args.tokens:
         for s in args.slots:
             rng = np.random.default_rng(t * 31 + s)
-            pos = rng.integers(-1, s, size=t).astype(np.int32)  # some base-model tokens
+            if args.mixed:  # one decode token per light adapter, the rest prefill chunks
+                h = min(args.mixed, s)
+                decode = list(range(h, s))
+                pos = np.array(decode + [h - 1 - i * h // (t - len(decode))
+                                         for i in range(t - len(decode))], np.int32)
+            else:
+                pos = rng.integers(-1, s, size=t).astype(np.int32)  # some base-model tokens
             x = {d: torch.randn(t, d).to(dev) for d in {lay[0] for lay in layers}}
             variants = {"base_only": (None, None)}
             variants.update({"single": ("single", None)} if s == 1 else {})
             variants.update({"onehot": ("onehot", None), "gathered": ("gathered", None)})
             variants.update({f"grouped_b{b}": ("grouped", b) for b in (1, 2, 4, 8, 16)})
+            if s > 1 and t >= 64:
+                variants["split"] = ("split", None)
             times = {}
             for name, (strategy, block) in variants.items():
                 punica = PunicaWrapper("xla", fuse_slices=True)
                 punica.force_strategy, punica.force_block = strategy, block
-                plan = punica.plan_step(pos, list(range(s)), s, torch.float32) if strategy else {}
+                graph_s = s
+                if strategy == "split":  # S of a split graph counts the heavy adapters
+                    graph_s = punica.graph_slots(pos, s, slot_buckets(max(args.slots)))
+                plan = (punica.plan_step(pos, list(range(s)), graph_s, torch.float32)
+                        if strategy else {})
                 step = {k: torch.from_numpy(v).to(dev) for k, v in plan.items()}
 
-                def graph(xs, step, bufs, punica=punica, strategy=strategy, s=s):
+                def graph(xs, step, bufs, punica=punica, strategy=strategy, s=graph_s):
                     punica.set_step(s, step)
                     total = []
-                    for _ in range(args.layers):
-                        for d, outs, a, b, w in layers:
+                    for i in range(args.layers):
+                        for d, outs, a, b, w in per_layer[i % len(per_layer)]:
                             y = xs[d] @ w
                             if strategy is not None:
                                 y = punica.add_lora_linear(y, xs[d], a, b, outs)
@@ -249,7 +273,7 @@ def packed_rows(args) -> list[dict]:
                     return torch.stack(total).sum()
 
                 run = LazyGraphCapture().compile(graph)
-                bufs = [t_ for lay in layers for t_ in lay[2] + lay[3]]
+                bufs = [t_ for lays in per_layer for lay in lays for t_ in lay[2] + lay[3]]
                 _materialize(run(x, step, bufs))
                 samples = []
                 for _ in range(args.iters):
@@ -260,7 +284,7 @@ def packed_rows(args) -> list[dict]:
             base = times.pop("base_only")
             row = {"name": "packed_lora_linears", "T": t, "S": s, "R": args.rank,
                    "dim": args.dim, "inter": args.inter, "layers": args.layers,
-                   "base_ms": base}
+                   "mixed_heavy": args.mixed, "base_ms": base}
             row.update({f"{k}_lora_ms": v - base for k, v in times.items()})
             row["best"] = min(times, key=times.get)
             rows.append(row)

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from vllm_tpu_lora import platform
+from vllm_tpu_lora.lora import step_layout
 from vllm_tpu_lora.lora.punica import PunicaWrapper
 from vllm_tpu_lora.ops.bgmv_ref import bgmv_expand_slice_ref, bgmv_shrink_ref
+from vllm_tpu_lora.runner import buckets
 
 MAX_LORAS, RANK, DIM, SLICES = 20, 8, 64, [64, 32, 32]
 
@@ -31,6 +33,45 @@ def test_strategy_matches_reference(strategy, num_slots, num_tokens):
 
     punica = PunicaWrapper("xla", fuse_slices=True)
     punica.force_strategy = strategy
+    plan = punica.plan_step(token_pos, active, num_slots, torch.float32)
+    punica.set_step(num_slots, {k: torch.from_numpy(v).to(dev) for k, v in plan.items()})
+    got = punica.add_lora_linear(y0.to(dev), x.to(dev), [a.to(dev) for a in lora_a],
+                                 [b.to(dev) for b in lora_b], SLICES).cpu()
+
+    idx = torch.tensor([active[p] if p >= 0 else -1 for p in token_pos])
+    expected, offset = y0.clone(), 0
+    for a, b, size in zip(lora_a, lora_b, SLICES):
+        ys = bgmv_shrink_ref(x, a, idx, torch.ones(MAX_LORAS))
+        expected = bgmv_expand_slice_ref(ys, b, idx, expected, offset, size)
+        offset += size
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_active,num_tokens", [(8, 64), (16, 256), (3, 64)])
+def test_split_strategy_matches_reference(num_active, num_tokens):
+    """A mixed step as continuous batching makes it: a few adapters with prefill chunks
+    (heavy: the one-hot product) and single decode tokens of many others (light: gathered
+    rows), plus base-model tokens. The graph's S is the heavy adapters' bucket."""
+    dev = platform.xla_device()
+    rng = np.random.default_rng(num_active * 7 + num_tokens)
+    gen = torch.Generator().manual_seed(num_tokens + 1)
+    lora_a = [torch.randn(MAX_LORAS, RANK, DIM, generator=gen) for _ in SLICES]
+    lora_b = [torch.randn(MAX_LORAS, o, RANK, generator=gen) for o in SLICES]
+    active = sorted(rng.choice(MAX_LORAS, size=num_active, replace=False).tolist())
+    decode = list(range(2, num_active)) + [-1, 1, -1]  # one token each (1 is repeated)
+    prefill = num_tokens - len(decode)
+    token_pos = np.array(decode + [0] * (prefill // 2) + [1] * (prefill - prefill // 2),
+                         np.int32)
+    rng.shuffle(token_pos[:len(decode)])
+
+    punica = PunicaWrapper("xla", fuse_slices=True)
+    ladder = [0] + [2 ** i for i in range(5)]
+    num_slots = punica.graph_slots(token_pos, num_active, ladder)
+    assert punica.xla_strategy(num_tokens, num_slots) == "split"
+    heavy, light = step_layout.heavy_positions(token_pos, num_active)
+    assert light.any() and heavy and num_slots < buckets.pick(ladder, num_active)
+    x = torch.randn(num_tokens, DIM, generator=gen)
+    y0 = torch.randn(num_tokens, sum(SLICES), generator=gen)
     plan = punica.plan_step(token_pos, active, num_slots, torch.float32)
     punica.set_step(num_slots, {k: torch.from_numpy(v).to(dev) for k, v in plan.items()})
     got = punica.add_lora_linear(y0.to(dev), x.to(dev), [a.to(dev) for a in lora_a],

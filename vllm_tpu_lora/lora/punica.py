@@ -30,6 +30,7 @@ import torch
 from vllm_tpu_lora import ops
 from vllm_tpu_lora.lora import step_layout
 from vllm_tpu_lora.ops.block_sizes import token_block
+from vllm_tpu_lora.runner import buckets
 
 
 class PunicaWrapper:
@@ -73,6 +74,8 @@ class PunicaWrapper:
                                               self.token_block(dtype))
         if strategy == "gathered":
             return step_layout.token_slot_layout(token_pos, active_slots)
+        if strategy == "split":
+            return step_layout.split_layout(token_pos, active_slots, num_slots)
         active = np.zeros(num_slots, np.int32)
         active[: len(active_slots)] = active_slots
         arrays = {"token_lora_idx": token_pos.astype(np.int32), "active_slots": active}
@@ -81,8 +84,20 @@ class PunicaWrapper:
                                                      self.token_block(dtype)))
         return arrays  # one-hot, Pallas (its SegmentLayout carries idx), tensor parallel
 
+    def graph_slots(self, token_pos: np.ndarray, num_active: int, ladder: list[int]) -> int:
+        """The LoRA-slot bucket S of the graph a step runs: the bucket of its active
+        adapters, except for a split graph, where S bounds only the heavy ones (at least
+        2: S = 1 is the single-adapter graph)."""
+        if num_active == 0:
+            return 0
+        s = buckets.pick(ladder, num_active)
+        if not self.fuse_slices or self.xla_strategy(token_pos.shape[0], s) != "split":
+            return s
+        heavy, _ = step_layout.heavy_positions(token_pos, num_active)
+        return buckets.pick(ladder, max(2, len(heavy)))
+
     def xla_strategy(self, num_tokens: int, num_slots: int) -> str | None:
-        """xla backend, per graph (T, S): "single" (S = 1), "onehot" or "grouped"."""
+        """xla backend, per graph (T, S): see step_layout.xla_strategy."""
         if self.backend != "xla":
             return None
         if self.force_strategy is not None:
@@ -135,6 +150,9 @@ class PunicaWrapper:
             return self._onehot_linear(y, x, lora_a, lora_b)
         if strategy == "gathered":
             return self._gathered_linear(y, x, lora_a, lora_b)
+        if strategy == "split":
+            return self._light_linear(self._onehot_linear(y, x, lora_a, lora_b), x, lora_a,
+                                      lora_b)
         return self._grouped_linear(y, x, lora_a, lora_b)
 
     def _add_masked(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -189,15 +207,20 @@ class PunicaWrapper:
         matmuls from 32 rows up). FLOPs T*R*(D+O) whatever S is, for a gather of T*R*(D+O)
         weights: what wins for decode-sized buckets with many adapters."""
         slot = self.step["token_slot"]
-        a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=1).to(x.dtype)
-        return self._gathered_expand(y, (a * x[:, None, :]).sum(-1), lora_b)  # xa [T, n*R]
+        return self._gathered_expand(y, _gathered_shrink(x, lora_a, slot), lora_b)
 
     def _gathered_expand(self, y, xa, lora_b) -> torch.Tensor:
-        slot, rank = self.step["token_slot"], lora_b[0].shape[2]
-        deltas = [(lb.index_select(0, slot).to(xa.dtype)
-                   * xa[:, None, i * rank:(i + 1) * rank]).sum(-1)  # [T, O_i]
-                  for i, lb in enumerate(lora_b)]
-        return self._add_masked(y, torch.cat(deltas, dim=1))
+        return self._add_masked(y, _gathered_deltas(xa, lora_b, self.step["token_slot"]))
+
+    def _light_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
+        """The split strategy's light rows: the gathered bgmv over L rows picked from the
+        step's tokens, their deltas added back at those tokens."""
+        rows, slot = self.step["light_rows"], self.step["light_slot"]
+        delta = _gathered_deltas(_gathered_shrink(x.index_select(0, rows), lora_a, slot),
+                                 lora_b, slot)
+        # where, not a multiply: a padding row adds exactly zero (to token 0).
+        delta = torch.where(self.step["light_valid"][:, None], delta, torch.zeros_like(delta))
+        return y.index_add(0, rows, delta.to(y.dtype))
 
     def _block_slots(self) -> torch.Tensor:
         return self.step["block_slot"].clamp(min=0)  # padding blocks compute on slot 0
@@ -246,7 +269,7 @@ class PunicaWrapper:
         if strategy == "onehot":
             return self._onehot_expand(y, xa[:, None, :] * self._onehot(xa.dtype)[:, :, None],
                                        [lora_b])
-        if strategy == "gathered":
+        if strategy in ("gathered", "split"):  # split: token_slot is there (slot_vectors)
             return self._gathered_expand(y, xa, [lora_b])
         ys = _to_segments(xa, self.step["perm"], self.step["row_valid"])
         nb = self.step["block_slot"].shape[0]
@@ -314,6 +337,22 @@ class PunicaWrapper:
         b = lora_b.index_select(0, self.step["active_slots"])
         return ops.segment_expand(ys, b, self._get_layout(y.dtype), y, offset, size,
                                   backend=self.backend)
+
+
+def _gathered_shrink(x: torch.Tensor, lora_a: list[torch.Tensor],
+                     slot: torch.Tensor) -> torch.Tensor:
+    """x [N, D], each row's device slot [N] -> xa [N, n*R] over the concatenated slices."""
+    a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=1).to(x.dtype)
+    return (a * x[:, None, :]).sum(-1)
+
+
+def _gathered_deltas(xa: torch.Tensor, lora_b: list[torch.Tensor],
+                     slot: torch.Tensor) -> torch.Tensor:
+    """xa [N, n*R] -> the concatenated slices' deltas [N, sum(O_i)], unmasked."""
+    rank = lora_b[0].shape[2]
+    return torch.cat([(lb.index_select(0, slot).to(xa.dtype)
+                       * xa[:, None, i * rank:(i + 1) * rank]).sum(-1)  # [N, O_i]
+                      for i, lb in enumerate(lora_b)], dim=1)
 
 
 def _to_segments(xa: torch.Tensor, perm: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:

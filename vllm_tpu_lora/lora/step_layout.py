@@ -46,21 +46,83 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # over the base with onehot, +37 ms grouped); S=16: T=128 onehot 4.98 | grouped 4.60,
 # T=256 7.61 | 6.80. So grouped is kept only from 16 adapters: at 8, one-hot wins here by
 # up to 1.9x, more than grouped's 1.4x lead at T=256 on the other host.
-GROUPED_BLOCK = 16  # token block B of the xla grouped matmul
-GROUPED_FROM = ((16, 64),)  # (min S, min T) pairs where grouped wins
+# Split (from T=64): continuous batching mixes a few prefill chunks (many tokens of few
+# adapters) with single decode tokens of many adapters, so the one-hot pays S-fold for
+# adapters that own one token each and grouped pads every one of them to a block. Split
+# runs the one-hot over the heavy adapters only and a gathered bgmv over 16 light rows.
+# `benchmark_ops.py --packed --mixed 4 --tokens 64 256 --slots 8 16` (distinct weights per
+# layer, 4 heavy adapters + one decode token for each other one; LoRA ms over the base):
+#   T=64:  S=8  onehot 1.0 | grouped B=16 8.0 | gathered 20.9 | split 2.5
+#          S=16 onehot 29.6 | grouped B=16 25.3 | gathered 32.4 | split 8.3
+#   T=256: S=8  onehot 38.7 | grouped B=16 37.1 | gathered 108 | split 26.2
+#          S=16 onehot 58.7 | grouped B=16 63.3 | gathered 119 | split 34.2
+# In the engine (1,000-adapter benchmark shape) 16 adapters per step went from 0.82x of
+# 8 adapters to 1.0x.
+GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
 GATHERED_UP_TO = ((8, 32), (16, 64))  # (min S, max T) pairs where gathered wins
+SPLIT_FROM_TOKENS = 64  # buckets from here run "split" (below)
+LIGHT_ROWS = 16  # rows of the split strategy's gathered part
 
 
 def xla_strategy(num_tokens: int, num_slots: int) -> str:
     """The xla backend's LoRA strategy for graph (T, S): "single", "gathered", "onehot" or
-    "grouped"."""
+    "split" ("grouped" only when forced). In a split graph S counts the step's *heavy*
+    adapters only (see split_layout)."""
     if num_slots == 1:
         return "single"
     if any(num_slots >= s and num_tokens <= t for s, t in GATHERED_UP_TO):
         return "gathered"
-    if any(num_slots >= s and num_tokens >= t for s, t in GROUPED_FROM):
-        return "grouped"
+    if num_tokens >= SPLIT_FROM_TOKENS:
+        return "split"
     return "onehot"
+
+
+def heavy_positions(token_pos: np.ndarray, num_active: int,
+                    light_rows: int = LIGHT_ROWS) -> tuple[list[int], np.ndarray]:
+    """The split strategy's partition of the step's adapters: (heavy positions, bool
+    [num_active] light). The adapters with the fewest tokens are light, smallest first,
+    while their tokens fit in `light_rows` (decode tokens, typically); the other used
+    ones are heavy (prefill chunks, typically)."""
+    counts = np.bincount(token_pos[token_pos >= 0], minlength=num_active)
+    light = np.zeros(num_active, bool)
+    budget = light_rows
+    for pos in np.argsort(counts, kind="stable"):
+        if counts[pos] > budget:
+            break
+        light[pos] = counts[pos] > 0
+        budget -= counts[pos]
+    return [p for p in range(num_active) if counts[p] and not light[p]], light
+
+
+def split_layout(token_pos: np.ndarray, active_slots: list[int],
+                 num_slots: int, light_rows: int = LIGHT_ROWS) -> dict[str, np.ndarray]:
+    """Split strategy: a one-hot product over the step's heavy adapters (at most
+    `num_slots`) for every token, plus a gathered bgmv over `light_rows` rows for the
+    tokens of the light ones (decode tokens, typically):
+      token_lora_idx int32 [T]     position of each token's adapter among the heavy (-1:
+                                   light or none)
+      active_slots   int32 [S]     device slot of each heavy position (padding: 0, never
+                                   matched by a token)
+      light_rows     int32 [L]     token of each light row (padding rows: token 0)
+      light_slot     int32 [L]     device slot of each light row's adapter
+      light_valid    bool  [L]     the row holds a light token"""
+    heavy, light = heavy_positions(token_pos, len(active_slots), light_rows)
+    if len(heavy) > num_slots:
+        raise ValueError(f"{len(heavy)} heavy adapters > the graph's {num_slots} slots")
+    position = np.full(len(active_slots) + 1, -1, np.int32)  # index -1: no adapter
+    position[heavy] = np.arange(len(heavy), dtype=np.int32)
+    active = np.zeros(num_slots, np.int32)
+    active[:len(heavy)] = np.asarray(active_slots, np.int32)[heavy]
+    rows = np.flatnonzero((token_pos >= 0) & light[np.maximum(token_pos, 0)]).astype(np.int32)
+    slots = np.asarray(list(active_slots) + [0], np.int32)
+    light_rows_arr = np.zeros(light_rows, np.int32)
+    light_rows_arr[:rows.size] = rows
+    light_slot = np.zeros(light_rows, np.int32)
+    light_slot[:rows.size] = slots[token_pos[rows]]
+    light_valid = np.zeros(light_rows, bool)
+    light_valid[:rows.size] = True
+    return {"token_lora_idx": position[token_pos], "active_slots": active,
+            "light_rows": light_rows_arr, "light_slot": light_slot, "light_valid": light_valid}
 
 
 def segment_layout(token_pos: np.ndarray, active_slots: list[int], num_slots: int,

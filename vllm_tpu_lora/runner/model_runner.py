@@ -141,10 +141,11 @@ class ModelRunner:
         r_b = buckets.pick(self.request_ladder, len(scheduled))
         with self.guard.watch("model step"):
             position_of, active_slots = self._activate_loras(scheduled)
-            s_b = buckets.pick(self.slot_ladder, len(active_slots))
             arrays = prepare_step(scheduled, t_b, r_b, self.max_blocks_per_seq, self.block_size,
                                   position_of, self.eos_token_id, self.max_num_seqs)
             arrays.active_slots = active_slots
+            s_b = (self.punica.graph_slots(arrays.token_lora_idx, len(active_slots),
+                                           self.slot_ladder) if self.punica is not None else 0)
             row_slots = None  # the logits graph reads them only when lm_head carries LoRA
             if self._logits_buffers:
                 row_slots = np.array([active_slots[position_of[s.seq.lora_int_id]]
