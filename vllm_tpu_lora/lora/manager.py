@@ -23,7 +23,12 @@ import torch
 
 from vllm_tpu_lora import platform
 from vllm_tpu_lora.lora.layers import LoRALinear
-from vllm_tpu_lora.lora.peft_loader import LoRAModel, LoRASliceWeights, load_peft_adapter
+from vllm_tpu_lora.lora.peft_loader import (
+    LoRAModel,
+    LoRASliceWeights,
+    load_peft_adapter,
+    model_targets,
+)
 from vllm_tpu_lora.lora.registry import AdapterRegistry
 from vllm_tpu_lora.lora.request import LoRARequest
 
@@ -81,6 +86,7 @@ class LoRAManager:
         self.num_slot_loads = 0  # adapters written into a device slot
         self._slot_index: list[torch.Tensor] | None = None
         self._write_graph = _write_slot_images  # replaced by a captured graph (use_capture)
+        self._model_targets: dict | None = None
 
     def use_capture(self, capture) -> None:
         """Replay slot writes as a captured graph (the runner's LazyGraphCapture): a write
@@ -189,10 +195,18 @@ class LoRAManager:
 
     # ---- host copies ----
 
+    def _targets(self) -> dict:
+        """The adapter-capable modules, walked once (on the first adapter named, after the
+        runner has finished reshaping the model; the loader thread only reads it)."""
+        if self._model_targets is None:
+            self._model_targets = model_targets(self.model, self.target_modules)
+        return self._model_targets
+
     def _validate(self, request: LoRARequest) -> None:
         load_peft_adapter(request, self.model, max_lora_rank=self.max_rank, dtype=torch.float32,
                           target_modules=self.target_modules, header_only=True,
-                          allow_bias=self.allow_bias, allow_dora=self.allow_dora)
+                          allow_bias=self.allow_bias, allow_dora=self.allow_dora,
+                          targets=self._targets())
 
     def _load_host(self, request: LoRARequest) -> HostAdapter:
         """Read, validate and lay out an adapter (loader thread: touches no engine state)."""
@@ -200,7 +214,7 @@ class LoRAManager:
         lora = load_peft_adapter(request, self.model, max_lora_rank=self.max_rank,
                                  dtype=torch.float32, target_modules=self.target_modules,
                                  allow_bias=self.allow_bias, allow_dora=self.allow_dora,
-                                 base_rows=self._base_rows)
+                                 base_rows=self._base_rows, targets=self._targets())
         return self._host_adapter(lora)
 
     def _host_adapter(self, lora: LoRAModel | None) -> HostAdapter:

@@ -63,7 +63,8 @@ WHOLE = -1
 def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
                       dtype: torch.dtype = torch.float32, target_modules=None,
                       header_only: bool = False, allow_bias: bool = False,
-                      allow_dora: bool = False, base_rows: dict | None = None) -> LoRAModel:
+                      allow_dora: bool = False, base_rows: dict | None = None,
+                      targets: dict | None = None) -> LoRAModel:
     """Read, validate and repack the adapter at `lora_request.lora_path` for `model`.
 
     header_only: validate everything but the values (config, tensor names, shapes, ranks)
@@ -81,17 +82,19 @@ def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
     also saves those layers' base weights next to such LoRA (save_embedding_layers): a
     copy is accepted if it is the base model's (same shape; and, given `base_rows`
     {our module: (row indices, rows)}, the same values at those rows), else rejected.
+    targets: `model_targets(model, target_modules)`, when the caller keeps it (walking the
+    model's modules costs ~0.5 ms, paid per adapter otherwise).
     """
     try:
         return _load(lora_request, model, max_lora_rank, dtype, target_modules, header_only,
-                     allow_bias, allow_dora, base_rows)
+                     allow_bias, allow_dora, base_rows, targets)
     except _Invalid as e:
         raise ValueError(f"Loading lora {lora_request.lora_name} failed: {e}") from e.__cause__
 
 
 def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype,
           target_modules, header_only: bool, allow_bias: bool, allow_dora: bool,
-          base_rows: dict | None) -> LoRAModel:
+          base_rows: dict | None, targets: dict | None) -> LoRAModel:
     path = lora_request.lora_path
     cfg = _read_config(path)
     _check_config(cfg)
@@ -103,10 +106,8 @@ def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype
                        "engine started with enable_lora_bias=True (--enable-lora-bias).")
     tensors = _read_weights(path, header_only)
     _check_base_copies(tensors, model, base_rows)
-    targets = _model_targets(model, target_modules or ())
-    if target_modules:
-        targets = {k: v for k, v in targets.items()
-                   if module_allowed(k.rsplit(".", 1)[-1], target_modules)}
+    if targets is None:
+        targets = model_targets(model, target_modules)
     pairs = _group_tensors(tensors, targets, cfg, path)
     modules = _build_modules(pairs, targets, cfg, dtype)
     rank = max(s.rank for slices in modules.values() for s in slices if s is not None)
@@ -261,6 +262,16 @@ def _pattern_value(pattern: dict, module: str, default):
 
 
 # ---- tensors ----------------------------------------------------------------------------
+
+def model_targets(model: nn.Module, target_modules=None) -> dict[str, _Target]:
+    """The PEFT module names an adapter may carry for `model` under the engine's
+    lora_target_modules (None: every LoRA-capable linear), and where each lives."""
+    targets = _model_targets(model, target_modules or ())
+    if target_modules:
+        targets = {k: v for k, v in targets.items()
+                   if module_allowed(k.rsplit(".", 1)[-1], target_modules)}
+    return targets
+
 
 def _model_targets(model: nn.Module, target_modules) -> dict[str, _Target]:
     """PEFT module name -> where it lives in our model, for every LoRA-capable layer (the
