@@ -101,8 +101,10 @@ class ModelRunner:
         meta = {name: t(getattr(a, name)) for name in _META_FIELDS}
         inputs = {name: t(getattr(a, name)) for name in ("input_ids", "positions",
                                                           "logits_indices")}
+        # A base-only graph (S = 0) reads no slot buffer: not passing them spares every
+        # such step flattening and matching them (~56 tensors for 4 layers x 7 linears).
         last = self._forward_graph(inputs, meta, lora, num_slots, self.kv_caches,
-                                   self._lora_buffers)
+                                   self._lora_buffers if num_slots else [])
         self._launched()
         return last
 
