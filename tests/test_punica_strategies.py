@@ -20,7 +20,6 @@ MAX_LORAS, RANK, DIM, SLICES = 20, 8, 64, [64, 32, 32]
     ("single", 1, 16), ("onehot", 4, 16), ("gathered", 8, 32), ("gathered", 16, 64),
     ("grouped", 16, 64), ("grouped", 8, 256)])
 def test_strategy_matches_reference(strategy, num_slots, num_tokens):
-    dev = platform.xla_device()
     rng = np.random.default_rng(num_slots * 100 + num_tokens)
     gen = torch.Generator().manual_seed(num_tokens)
     lora_a = [torch.randn(MAX_LORAS, RANK, DIM, generator=gen) for _ in SLICES]
@@ -33,18 +32,7 @@ def test_strategy_matches_reference(strategy, num_slots, num_tokens):
 
     punica = PunicaWrapper("xla", fuse_slices=True)
     punica.force_strategy = strategy
-    plan = punica.plan_step(token_pos, active, num_slots, torch.float32)
-    punica.set_step(num_slots, {k: torch.from_numpy(v).to(dev) for k, v in plan.items()})
-    got = punica.add_lora_linear(y0.to(dev), x.to(dev), [a.to(dev) for a in lora_a],
-                                 [b.to(dev) for b in lora_b], SLICES).cpu()
-
-    idx = torch.tensor([active[p] if p >= 0 else -1 for p in token_pos])
-    expected, offset = y0.clone(), 0
-    for a, b, size in zip(lora_a, lora_b, SLICES):
-        ys = bgmv_shrink_ref(x, a, idx, torch.ones(MAX_LORAS))
-        expected = bgmv_expand_slice_ref(ys, b, idx, expected, offset, size)
-        offset += size
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_b, x, y0)
 
 
 @pytest.mark.parametrize("num_active,num_tokens", [(8, 64), (16, 256), (3, 64)])
@@ -52,7 +40,6 @@ def test_split_strategy_matches_reference(num_active, num_tokens):
     """A mixed step as continuous batching makes it: a few adapters with prefill chunks
     (heavy: the one-hot product) and single decode tokens of many others (light: gathered
     rows), plus base-model tokens. The graph's S is the heavy adapters' bucket."""
-    dev = platform.xla_device()
     rng = np.random.default_rng(num_active * 7 + num_tokens)
     gen = torch.Generator().manual_seed(num_tokens + 1)
     lora_a = [torch.randn(MAX_LORAS, RANK, DIM, generator=gen) for _ in SLICES]
@@ -72,11 +59,17 @@ def test_split_strategy_matches_reference(num_active, num_tokens):
     assert light.any() and heavy and num_slots < buckets.pick(ladder, num_active)
     x = torch.randn(num_tokens, DIM, generator=gen)
     y0 = torch.randn(num_tokens, sum(SLICES), generator=gen)
+    _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_b, x, y0)
+
+
+def _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_b, x, y0):
+    """Run the step's plan through add_lora_linear on the device; compare with the float32
+    per-token loop."""
+    dev = platform.xla_device()
     plan = punica.plan_step(token_pos, active, num_slots, torch.float32)
     punica.set_step(num_slots, {k: torch.from_numpy(v).to(dev) for k, v in plan.items()})
     got = punica.add_lora_linear(y0.to(dev), x.to(dev), [a.to(dev) for a in lora_a],
                                  [b.to(dev) for b in lora_b], SLICES).cpu()
-
     idx = torch.tensor([active[p] if p >= 0 else -1 for p in token_pos])
     expected, offset = y0.clone(), 0
     for a, b, size in zip(lora_a, lora_b, SLICES):
