@@ -225,6 +225,7 @@ def packed_rows(args) -> list[dict]:
     import numpy as np
 
     from vllm_tpu_lora.lora.punica import PunicaWrapper
+    from vllm_tpu_lora.lora.step_layout import SPLIT_FROM_TOKENS
     from vllm_tpu_lora.runner.buckets import slot_buckets
     from vllm_tpu_lora.runner.lazy_capture import LazyGraphCapture
 
@@ -248,7 +249,7 @@ def packed_rows(args) -> list[dict]:
             variants.update({"single": ("single", None)} if s == 1 else {})
             variants.update({"onehot": ("onehot", None), "gathered": ("gathered", None)})
             variants.update({f"grouped_b{b}": ("grouped", b) for b in (1, 2, 4, 8, 16)})
-            if s > 1 and t >= 64:
+            if s > 1 and t >= SPLIT_FROM_TOKENS:
                 variants["split"] = ("split", None)
             times = {}
             for name, (strategy, block) in variants.items():

@@ -111,10 +111,10 @@ def split_layout(token_pos: np.ndarray, active_slots: list[int],
         raise ValueError(f"{len(heavy)} heavy adapters > the graph's {num_slots} slots")
     position = np.full(len(active_slots) + 1, -1, np.int32)  # index -1: no adapter
     position[heavy] = np.arange(len(heavy), dtype=np.int32)
+    slots = np.asarray(active_slots, np.int32)
     active = np.zeros(num_slots, np.int32)
-    active[:len(heavy)] = np.asarray(active_slots, np.int32)[heavy]
+    active[:len(heavy)] = slots[heavy]
     rows = np.flatnonzero((token_pos >= 0) & light[np.maximum(token_pos, 0)]).astype(np.int32)
-    slots = np.asarray(list(active_slots) + [0], np.int32)
     light_rows_arr = np.zeros(light_rows, np.int32)
     light_rows_arr[:rows.size] = rows
     light_slot = np.zeros(light_rows, np.int32)
