@@ -85,3 +85,27 @@ def test_reduced_precision_with_lora_tracks_the_oracles(dtype, model, backend, s
         assert agree >= MIN_FIRST_TOKEN_AGREEMENT, agree
         assert error <= MAX_LOGPROB_ERROR_VS_BF16_ORACLE, error
     assert llm.llm_engine.stats()["compilations_after_warmup"] == 0
+    if dtype == "float16" and backend == "xla":
+        _overflowing_adapter_is_rejected(llm, adapters["h0"])
+
+
+def _overflowing_adapter_is_rejected(llm, src: str) -> None:
+    """Finite in the file (float32) but not in the serving dtype once scaled: the loader
+    checks the slot image it serves, so add_lora names the adapter and the dtype, and the
+    engine keeps serving the adapters it has."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(src, os.path.join(tempfile.mkdtemp(), "big"))
+    weights = os.path.join(path, "adapter_model.safetensors")
+    tensors = load_file(weights)
+    key = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[key][0, 0] = 1e5  # > float16's max (65504)
+    save_file(tensors, weights)
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="Loading lora big failed: .*overflow torch.float16"):
+        engine.add_lora(LoRARequest("big", 99, path))
+    assert "big" not in engine.stats()["loras"]

@@ -23,7 +23,8 @@ from torch import nn
 from vllm_tpu_lora.lora.layers import VOCAB_TARGETS, module_allowed
 from vllm_tpu_lora.lora.models import LoRAModel, LoRASliceWeights
 
-__all__ = ["LoRAModel", "LoRASliceWeights", "adapter_fingerprint", "load_peft_adapter"]
+__all__ = ["LoRAModel", "LoRASliceWeights", "adapter_fingerprint", "load_peft_adapter",
+           "raise_if_not_finite"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_SAFETENSORS = "adapter_model.safetensors"
@@ -64,7 +65,7 @@ def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
                       dtype: torch.dtype = torch.float32, target_modules=None,
                       header_only: bool = False, allow_bias: bool = False,
                       allow_dora: bool = False, base_rows: dict | None = None,
-                      targets: dict | None = None) -> LoRAModel:
+                      targets: dict | None = None, check_finite: bool = True) -> LoRAModel:
     """Read, validate and repack the adapter at `lora_request.lora_path` for `model`.
 
     header_only: validate everything but the values (config, tensor names, shapes, ranks)
@@ -84,17 +85,20 @@ def load_peft_adapter(lora_request, model: nn.Module, *, max_lora_rank: int,
     {our module: (row indices, rows)}, the same values at those rows), else rejected.
     targets: `model_targets(model, target_modules)`, when the caller keeps it (walking the
     model's modules costs ~0.5 ms, paid per adapter otherwise).
+    check_finite=False: the caller checks the values itself (the LoRA manager checks the
+    slot image it builds, in the serving dtype, and calls `raise_if_not_finite` to name
+    the culprit); everything else is still validated.
     """
     try:
         return _load(lora_request, model, max_lora_rank, dtype, target_modules, header_only,
-                     allow_bias, allow_dora, base_rows, targets)
+                     allow_bias, allow_dora, base_rows, targets, check_finite)
     except _Invalid as e:
         raise ValueError(f"Loading lora {lora_request.lora_name} failed: {e}") from e.__cause__
 
 
 def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype,
           target_modules, header_only: bool, allow_bias: bool, allow_dora: bool,
-          base_rows: dict | None, targets: dict | None) -> LoRAModel:
+          base_rows: dict | None, targets: dict | None, check_finite: bool) -> LoRAModel:
     path = lora_request.lora_path
     cfg = _read_config(path)
     _check_config(cfg)
@@ -109,7 +113,7 @@ def _load(lora_request, model: nn.Module, max_lora_rank: int, dtype: torch.dtype
     if targets is None:
         targets = model_targets(model, target_modules)
     pairs = _group_tensors(tensors, targets, cfg, path)
-    modules = _build_modules(pairs, targets, cfg, dtype)
+    modules = _build_modules(pairs, targets, cfg, dtype, check_finite)
     rank = max(s.rank for slices in modules.values() for s in slices if s is not None)
     if rank > max_lora_rank:
         raise _Invalid(f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}.")
@@ -408,8 +412,8 @@ def _group_tensors(tensors: dict[str, torch.Tensor], targets: dict[str, _Target]
     return pairs
 
 
-def _build_modules(pairs, targets: dict[str, _Target], cfg: dict,
-                   dtype: torch.dtype) -> dict[str, list[LoRASliceWeights | None]]:
+def _build_modules(pairs, targets: dict[str, _Target], cfg: dict, dtype: torch.dtype,
+                   check_finite: bool = True) -> dict[str, list[LoRASliceWeights | None]]:
     modules: dict[str, list[LoRASliceWeights | None]] = {}
     cast: list[tuple[str, str, torch.Tensor]] = []  # (module, kind, tensor) to check finite
     for name in sorted(pairs):
@@ -442,7 +446,8 @@ def _build_modules(pairs, targets: dict[str, _Target], cfg: dict,
         else:
             slices[target.slice] = LoRASliceWeights(lora_a=a, lora_b=b, scale=float(scale),
                                                     **vectors)
-    _check_finite(cast, dtype)
+    if check_finite:
+        _check_finite(cast, dtype)
     return modules
 
 
@@ -468,6 +473,19 @@ def _cast(cast: list, name: str, kind: str, tensor: torch.Tensor,
     if not out.is_meta:
         cast.append((name, kind, out))
     return out
+
+
+def raise_if_not_finite(lora: LoRAModel) -> None:
+    """The exact per-tensor check of a model loaded with check_finite=False: raises the
+    ValueError naming the first tensor with a NaN or Inf (returns if there is none)."""
+    cast = [(name, kind, t) for name, slices in sorted(lora.modules.items())
+            for w in slices if w is not None
+            for kind, t in (("lora_A", w.lora_a), ("lora_B", w.lora_b), ("bias", w.bias),
+                            ("magnitude", w.magnitude)) if t is not None]
+    bad = next(((n, k) for n, k, t in cast if not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise ValueError(f"Loading lora {lora.name} failed: {bad[1]} of {bad[0]} contains "
+                         f"NaN or Inf values.")
 
 
 def _check_finite(cast: list[tuple[str, str, torch.Tensor]], dtype: torch.dtype) -> None:
