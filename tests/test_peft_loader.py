@@ -327,6 +327,38 @@ def test_rejects_missing_and_corrupt_files(bases, good, tmp_path):
     _rejects(d, model, r"cannot read .*adapter_model\.bin")
 
 
+def test_safetensors_reader_matches_the_safetensors_library(good, tmp_path):
+    """Our one-read safetensors reader against the safetensors library itself (the oracle),
+    on a PEFT-saved adapter and on a file of mixed dtypes; damaged files are rejected."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_tpu_lora.lora.peft_loader import _read_safetensors
+
+    mixed = str(tmp_path / "mixed.safetensors")
+    save_file({"f16": torch.randn(3, 5).half(), "bf16": torch.randn(7).bfloat16(),
+               "i64": torch.arange(4), "empty": torch.zeros(0, 3),
+               "scalar": torch.tensor(2.5)}, mixed, metadata={"format": "pt"})
+    for file in (os.path.join(good, ST), mixed):
+        want, got = load_file(file), _read_safetensors(file, header_only=False)
+        meta = _read_safetensors(file, header_only=True)
+        assert sorted(got) == sorted(want) == sorted(meta)
+        for k, t in want.items():
+            assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+            assert meta[k].is_meta and meta[k].shape == t.shape and meta[k].dtype == t.dtype
+    data = open(mixed, "rb").read()
+    n = int.from_bytes(data[:8], "little")
+    damaged = {"short": data[:5], "huge_header": (10**9).to_bytes(8, "little") + data[8:],
+               "not_json": data[:8] + b"{" * n + data[8 + n:],
+               "truncated": data[:-8]}
+    for case, blob in damaged.items():
+        bad = tmp_path / f"{case}.safetensors"
+        bad.write_bytes(blob)
+        with pytest.raises(ValueError):
+            _read_safetensors(str(bad), header_only=case != "truncated")
+    with pytest.raises(ValueError, match="data_offsets"):  # the header check sees it too
+        _read_safetensors(str(tmp_path / "truncated.safetensors"), header_only=True)
+
+
 def test_rslora_scale_formula(bases, tmp_path):
     # Spelled out once without PEFT: alpha / sqrt(r).
     d = make_peft_adapter(bases["llama"][0], str(tmp_path / "rs"), r=16, lora_alpha=8,
