@@ -227,7 +227,7 @@ class LoRAManager:
         # check runs only to name the culprit.
         if not torch.isfinite(host.flat.sum(dtype=torch.float32)) and not (
                 torch.isfinite(host.flat).all()):
-            raise_if_not_finite(lora)
+            raise_if_not_finite(lora, torch.float32)  # the dtype it was loaded in
             raise ValueError(f"Loading lora {request.lora_name} failed: its weights times "
                              f"its scale overflow {self.dtype}.")
         return host

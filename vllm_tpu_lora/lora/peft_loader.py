@@ -514,17 +514,17 @@ def _cast(cast: list, name: str, kind: str, tensor: torch.Tensor,
     return out
 
 
-def raise_if_not_finite(lora: LoRAModel) -> None:
-    """The exact per-tensor check of a model loaded with check_finite=False: raises the
-    ValueError naming the first tensor with a NaN or Inf (returns if there is none)."""
+def raise_if_not_finite(lora: LoRAModel, dtype: torch.dtype) -> None:
+    """The exact per-tensor check of a model loaded (in `dtype`) with check_finite=False:
+    raises the ValueError naming the first tensor with a NaN or Inf (returns if none)."""
     cast = [(name, kind, t) for name, slices in sorted(lora.modules.items())
             for w in slices if w is not None
             for kind, t in (("lora_A", w.lora_a), ("lora_B", w.lora_b), ("bias", w.bias),
                             ("magnitude", w.magnitude)) if t is not None]
-    bad = next(((n, k) for n, k, t in cast if not torch.isfinite(t).all()), None)
-    if bad is not None:
-        raise ValueError(f"Loading lora {lora.name} failed: {bad[1]} of {bad[0]} contains "
-                         f"NaN or Inf values.")
+    try:
+        _name_non_finite(cast, dtype)
+    except _Invalid as e:
+        raise ValueError(f"Loading lora {lora.name} failed: {e}") from None
 
 
 def _check_finite(cast: list[tuple[str, str, torch.Tensor]], dtype: torch.dtype) -> None:
@@ -534,6 +534,11 @@ def _check_finite(cast: list[tuple[str, str, torch.Tensor]], dtype: torch.dtype)
     back to the exact per-tensor check, which names the tensor."""
     if not cast or torch.isfinite(torch.cat([t.reshape(-1) for *_, t in cast]).sum()):
         return
+    _name_non_finite(cast, dtype)
+
+
+def _name_non_finite(cast: list[tuple[str, str, torch.Tensor]], dtype: torch.dtype) -> None:
+    """The exact check: the first (module, kind) tensor holding a NaN or Inf, by name."""
     bad = next(((n, k) for n, k, t in cast if not torch.isfinite(t).all()), None)
     if bad is not None:
         raise _Invalid(f"{bad[1]} of {bad[0]} contains NaN or Inf values (in {dtype}).")
