@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from vllm_tpu_lora import LLM, LoRARequest, SamplingParams
+from vllm_tpu_lora import LLM, LoRARequest, SamplingParams, platform
 from vllm_tpu_lora.runner.compile_guard import RecompilationError
 from vllm_tpu_lora.testing.factory import make_peft_adapter
 
@@ -126,6 +126,48 @@ def test_replayed_outputs_equal_eager_outputs(llama_dir, lora_llm, adapters):
         for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             for tok, lp in lw.items():
                 assert abs(lg[tok].logprob - lp.logprob) < 1e-4
+
+
+# What torch_xla says when a consumed (donated) buffer is read again: "deleted" for a
+# transferred buffer, no value any more for one a graph produced.
+GONE = "is deleted|HasValue"
+
+
+def _device_buffer(tensor):
+    """A second handle on the device buffer a tensor holds now (once nothing is in flight)."""
+    import torch_xla
+
+    platform.wait_device_ops()
+    _, (buffer,) = torch_xla._XLAC._get_tensors_xla_device_data_node([tensor])
+    return buffer
+
+
+def test_forward_updates_the_kv_cache_in_place_and_only_it(lora_llm, adapters):
+    """The forward graph consumes the KV cache's buffers (donated: aliased to the updated
+    cache, no copy of every layer's cache per step), and never the LoRA slot buffers it
+    only reads (a donated slot buffer would lose the adapters in it)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    lora_llm.generate(prompt, params, lora_request=adapters[0], use_tqdm=False)  # resident
+    runner = lora_llm.llm_engine.runner
+    writes = lora_llm.llm_engine.stats()["lora_slot_loads"]
+    cache, slot_buffer = runner.kv_caches[0][0], runner.lora_manager.buffers[0]
+    old_cache, old_slots = _device_buffer(cache), _device_buffer(slot_buffer)
+    slots_before = old_slots.cpu().clone()
+    lora_llm.generate(prompt, params, lora_request=adapters[0], use_tqdm=False)
+    platform.wait_device_ops()
+    assert lora_llm.llm_engine.stats()["lora_slot_loads"] == writes  # no slot write ran
+    with pytest.raises(RuntimeError, match=GONE):
+        old_cache.cpu()
+    assert (old_slots.cpu() == slots_before).all()
+    assert (slot_buffer.cpu() == slots_before).all()
+    # A slot write, in turn, updates the slot buffers in place.
+    absent = next(a for a in adapters if a.lora_int_id not in runner.lora_manager.slots)
+    lora_llm.generate(prompt, params, lora_request=absent, use_tqdm=False)
+    platform.wait_device_ops()
+    assert lora_llm.llm_engine.stats()["lora_slot_loads"] == writes + 1
+    with pytest.raises(RuntimeError, match=GONE):
+        old_slots.cpu()
 
 
 def test_guard_catches_a_recapture_after_warmup(lora_llm):

@@ -52,13 +52,6 @@ def wait_device_ops() -> None:
     xm.wait_device_ops()
 
 
-def mark_donated(tensors, donate: bool = True) -> None:
-    """Let XLA update these graph inputs in place (the KV cache): without donation every
-    step would allocate a new buffer and copy the old contents into it."""
-    for t in tensors:
-        torch_xla._XLAC._set_buffer_donation(t, donate)
-
-
 _cache_initialized = False
 
 

@@ -71,9 +71,6 @@ class ModelRunner:
         self._sample_graph = compile_fn(_bind_sample(self.model, punica))
         if self.capture is not None and lora_manager is not None:
             lora_manager.use_capture(self.capture)
-        if self.capture is not None:  # the graphs update the KV cache in place
-            for cache in self.kv_caches:
-                platform.mark_donated(cache)
         # Written between steps (slot loads): graph arguments, never baked-in constants.
         self._lora_buffers = lora_manager.buffers if lora_manager else []
         self._logits_buffers = lora_manager.logits_buffers if lora_manager else []
