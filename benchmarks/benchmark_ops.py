@@ -197,6 +197,8 @@ def packed_main(argv: list[str]) -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help="token blocks B of the grouped variants")
     p.add_argument("--mixed", type=int, default=0, metavar="H",
                    help="distinct weights per layer; H heavy adapters, one token for the rest")
     packed_rows(p.parse_args(argv))
@@ -233,6 +235,7 @@ def packed_rows(args) -> list[dict]:
     per_layer = [_packed_layers(args.dim, args.inter, args.kv, args.rank, max(args.slots), dev)
                  for _ in range(args.layers if args.mixed else 1)]
     layers = per_layer[0]
+    bufs = [t_ for lays in per_layer for lay in lays for t_ in lay[2] + lay[3]]
     rows = []
     for t in args.tokens:
         for s in args.slots:
@@ -248,10 +251,10 @@ def packed_rows(args) -> list[dict]:
             variants = {"base_only": (None, None)}
             variants.update({"single": ("single", None)} if s == 1 else {})
             variants.update({"onehot": ("onehot", None), "gathered": ("gathered", None)})
-            variants.update({f"grouped_b{b}": ("grouped", b) for b in (1, 2, 4, 8, 16)})
+            variants.update({f"grouped_b{b}": ("grouped", b) for b in args.blocks})
             if s > 1 and t >= SPLIT_FROM_TOKENS:
                 variants["split"] = ("split", None)
-            times = {}
+            runs = {}
             for name, (strategy, block) in variants.items():
                 punica = PunicaWrapper("xla", fuse_slices=True)
                 punica.force_strategy, punica.force_block = strategy, block
@@ -274,14 +277,17 @@ def packed_rows(args) -> list[dict]:
                     return torch.stack(total).sum()
 
                 run = LazyGraphCapture().compile(graph)
-                bufs = [t_ for lays in per_layer for lay in lays for t_ in lay[2] + lay[3]]
                 _materialize(run(x, step, bufs))
-                samples = []
-                for _ in range(args.iters):
+                runs[name] = (run, step)
+            # Interleaved (every variant once per round): this host's speed drifts by tens
+            # of percent within a minute, which would bias variants timed one after another.
+            samples = {name: [] for name in runs}
+            for _ in range(args.iters):
+                for name, (run, step) in runs.items():
                     t0 = time.perf_counter()
                     _materialize(run(x, step, bufs))
-                    samples.append(1e3 * (time.perf_counter() - t0))
-                times[name] = statistics.median(samples)
+                    samples[name].append(1e3 * (time.perf_counter() - t0))
+            times = {name: statistics.median(v) for name, v in samples.items()}
             base = times.pop("base_only")
             row = {"name": "packed_lora_linears", "T": t, "S": s, "R": args.rank,
                    "dim": args.dim, "inter": args.inter, "layers": args.layers,
