@@ -339,20 +339,36 @@ class PunicaWrapper:
                                   backend=self.backend)
 
 
+# XLA CPU splits a reduction over more than 32 elements into a reduce-window and a reduce
+# and then materialises the product feeding it ([T, n*R, D] floats per shrink). Summing
+# 32-element chunks first keeps the gather, the multiply and both sums in one fusion:
+# profiled (torch_xla profiler, 4-layer decode graph, 16 tokens over 8 adapters) the
+# gathered LoRA ops went from 4.1 to ~2.4 ms, with the expand below.
+_REDUCE_CHUNK = 32
+
+
 def _gathered_shrink(x: torch.Tensor, lora_a: list[torch.Tensor],
                      slot: torch.Tensor) -> torch.Tensor:
     """x [N, D], each row's device slot [N] -> xa [N, n*R] over the concatenated slices."""
     a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=1).to(x.dtype)
-    return (a * x[:, None, :]).sum(-1)
+    rows, width, d = a.shape
+    if d % _REDUCE_CHUNK:
+        return (a * x[:, None, :]).sum(-1)
+    c = _REDUCE_CHUNK
+    return (a.view(rows, width, d // c, c) * x.view(rows, 1, d // c, c)).sum(-1).sum(-1)
 
 
 def _gathered_deltas(xa: torch.Tensor, lora_b: list[torch.Tensor],
                      slot: torch.Tensor) -> torch.Tensor:
-    """xa [N, n*R] -> the concatenated slices' deltas [N, sum(O_i)], unmasked."""
+    """xa [N, n*R] -> the concatenated slices' deltas [N, sum(O_i)], unmasked: one
+    gather-multiply-reduce over the slices' concatenated B, each output column against its
+    own slice's rank activations (XLA fuses the concatenations into it, so there are no
+    per-slice results to concatenate afterwards)."""
     rank = lora_b[0].shape[2]
-    return torch.cat([(lb.index_select(0, slot).to(xa.dtype)
-                       * xa[:, None, i * rank:(i + 1) * rank]).sum(-1)  # [N, O_i]
-                      for i, lb in enumerate(lora_b)], dim=1)
+    b = torch.cat([lb.index_select(0, slot) for lb in lora_b], dim=1).to(xa.dtype)
+    xs = torch.cat([xa[:, None, i * rank:(i + 1) * rank].expand(-1, lb.shape[1], -1)
+                    for i, lb in enumerate(lora_b)], dim=1)  # [N, sum(O_i), R]
+    return (b * xs).sum(-1)
 
 
 def _to_segments(xa: torch.Tensor, perm: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:
