@@ -334,3 +334,39 @@ def test_add_lora_that_fails_to_read_leaves_nothing_behind(llm, adapter_src, tmp
         engine.add_lora(req)
     assert req.lora_int_id not in engine.lora_manager.registry.entries
     assert "nan" not in engine.stats()["loras"]
+
+
+def test_validation_memo_never_passes_a_changed_adapter(llm, adapter_src, tmp_path,
+                                                       monkeypatch):
+    """Naming an adapter whose config, safetensors header and file size match one that
+    passed validation skips the parse (adapters of one recipe: a1 after a0); a truncated
+    file under that same header, or a changed config, is still validated and refused."""
+    import vllm_tpu_lora.lora.manager as manager_mod
+
+    manager = llm.llm_engine.lora_manager
+    parses = []
+    real = manager_mod.load_peft_adapter
+    monkeypatch.setattr(manager_mod, "load_peft_adapter",
+                        lambda req, *a, **k: parses.append(req.lora_name) or real(req, *a, **k))
+    reqs = _copy_adapters({k: adapter_src[k] for k in ("a0", "a1")}, tmp_path / "same")
+    manager.register(reqs["a0"])
+    manager.register(reqs["a1"])
+    assert parses.count("a1") == 0, "same recipe, same header: no second parse"
+
+    truncated = _copy_adapters({"cut": adapter_src["a2"]}, tmp_path)["cut"]
+    weights = os.path.join(truncated.lora_path, "adapter_model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) - 4)  # the header itself is intact
+    with pytest.raises(ValueError, match="Loading lora cut failed: .*data_offsets"):
+        manager.register(truncated)
+
+    reranked = _copy_adapters({"rank": adapter_src["a3"]}, tmp_path)["rank"]
+    config = os.path.join(reranked.lora_path, "adapter_config.json")
+    with open(config) as f:
+        text = f.read()
+    with open(config, "w") as f:
+        f.write(text.replace('"r": 8', '"r": 4'))
+    with pytest.raises(ValueError, match="Loading lora rank failed: .*rank"):
+        manager.register(reranked)
+    assert parses.count("cut") == 1 and parses.count("rank") == 1
+    for req in reqs.values():
+        manager.remove_lora(req.lora_int_id)

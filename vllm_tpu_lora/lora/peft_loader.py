@@ -10,6 +10,7 @@ listed target modules a model lacks, so target_modules may name more than was tr
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -156,6 +157,31 @@ def adapter_fingerprint(path: str) -> tuple | None:
     except OSError:
         return None
     return tuple((weights, s.st_ino, s.st_size, s.st_mtime_ns) for s in stats)
+
+
+def header_digest(path: str) -> bytes | None:
+    """A digest of everything a header-only validation reads: adapter_config.json and the
+    safetensors header (names, dtypes, shapes, offsets) and the file's size (the header's
+    offsets are checked against it), not the tensor data. Adapters
+    trained with one recipe share it, so it keys a memo of validations passed. None when
+    the files cannot be read this way (a .bin adapter, a missing or short file): the
+    caller then validates in full, which names the problem."""
+    st_path = os.path.join(path, ADAPTER_SAFETENSORS)
+    try:
+        with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
+            config = f.read()
+        with open(st_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            # A header longer than safetensors' own 100 MB limit: let validation say so.
+            header = f.read(n) if 0 <= n <= 100_000_000 else b""
+    except OSError:
+        return None
+    if len(header) != n:
+        return None
+    return hashlib.blake2b(b"%d %d\0" % (size, len(config)) + config + header,
+                           digest_size=32).digest()
 
 
 def _read_safetensors(file: str, header_only: bool) -> dict[str, torch.Tensor]:
