@@ -160,12 +160,12 @@ def adapter_fingerprint(path: str) -> tuple | None:
 
 
 def header_digest(path: str) -> bytes | None:
-    """A digest of everything a header-only validation reads: adapter_config.json and the
+    """A digest of everything a header-only validation reads: adapter_config.json, the
     safetensors header (names, dtypes, shapes, offsets) and the file's size (the header's
-    offsets are checked against it), not the tensor data. Adapters
-    trained with one recipe share it, so it keys a memo of validations passed. None when
-    the files cannot be read this way (a .bin adapter, a missing or short file): the
-    caller then validates in full, which names the problem."""
+    offsets are checked against it), not the tensor data. Adapters trained with one recipe
+    share it, so it keys a memo of validations passed. None when the files cannot be read
+    this way (a .bin adapter, a missing or short file): the caller then validates in full,
+    which names the problem."""
     st_path = os.path.join(path, ADAPTER_SAFETENSORS)
     try:
         with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
