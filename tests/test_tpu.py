@@ -64,7 +64,10 @@ def test_mosaic_kernels_match_reference(t, r, n, dtype):
     ys = bgmv_xla.to_token_order(bgmv_pallas.segment_shrink(x, a, lay, s), lay)
     out = bgmv_pallas.segment_expand(bgmv_xla.to_segment_order(y, lay), b, lay, base)
     platform.sync()
-    atol, rtol = TOLERANCE[torch.bfloat16]  # the MXU's f32 passes are not the CPU's f32
+    # The kernels follow the module's "highest" matmul precision: float32 products in
+    # float32 (at "default" a TPU makes one bfloat16 pass, ~1e-2 relative error; both
+    # measured on v5e at the JAX level with benchmarks/tpu_kernels.py).
+    atol, rtol = TOLERANCE[dtype]
     ref_y = bgmv_shrink_ref(case.x, case.lora_a, case.idx, case.scale)
     ref_out = bgmv_expand_slice_ref(case.y, case.lora_b, case.idx, case.base, 0, 1536)
     torch.testing.assert_close(ys.cpu().float(), ref_y.float(), atol=atol, rtol=rtol)

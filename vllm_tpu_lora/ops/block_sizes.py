@@ -1,9 +1,13 @@
 """Block sizes for the LoRA ops, kept apart from the kernels (as JAX's Pallas ops do).
 
-Nothing here has been measured on a TPU yet (no TPU on the dev machines); the
-entries follow from TPU layout rules and VMEM budgets, and `token_block` for the
-XLA backend was chosen with benchmarks/benchmark_ops.py on XLA CPU. Replace rows
-with measured ones when a TPU run exists; lookups never need to change.
+The entries follow from TPU layout rules and VMEM budgets; `token_block` for the
+XLA backend was chosen with benchmarks/benchmark_ops.py on XLA CPU. One TPU v5e run
+(benchmarks/tpu_kernels.py, docs/results/tpu_kernels.jsonl, JAX only) checked them:
+every block this module picks for 7 widths (128 to 28672) x 5 ranks (8 to 512) x
+f32/bf16 compiled, and the Pallas delta per token block (bf16, R=16, D=4096) was
+best at B=16 for 16-token steps and at B=32 for 256 and 2048 (1.2-1.6x faster than
+16 there). The table keeps B=16 (decode dominates serving); a token-bucket-dependent
+B is the measured next step. Lookups never need to change.
 
 Rules the values respect (Mosaic legality): the last two dims of every block are
 divisible by (8, 128) or equal the full array dims. bf16 packs two rows per
@@ -28,10 +32,17 @@ TOKEN_BLOCK: dict[tuple[str, str], int] = {
     ("pallas", "bfloat16"): 16,
     ("xla", "float32"): 16,
     ("xla", "bfloat16"): 16,
-    # float16 packs like bfloat16 (two rows per sublane); on XLA CPU it runs as bf16 does.
-    ("pallas", "float16"): 16,
+    # float16 on XLA CPU runs as bf16 does. The Pallas kernels run float16 in float32
+    # (pallas_compute_dtype), so its Pallas block is float32's.
     ("xla", "float16"): 16,
 }
+
+# The dtype the Pallas kernels compute in, per activation dtype. Mosaic on TPU v5e
+# cannot load float16 vectors (every float16 kernel failed to compile with "Invalid
+# vector type for load", benchmarks/tpu_kernels.py), so float16 runs in float32: the
+# upcast is exact, the torch wrappers cast the result back, and the blocks and VMEM
+# budget are float32's.
+PALLAS_COMPUTE_DTYPE: dict[str, str] = {"float16": "float32"}
 
 # Largest feature tile (lanes) per dtype, the values budgeted for rank <= 64 (so
 # those shapes keep their blocks; fewer, larger tiles mean fewer grid steps and
@@ -48,9 +59,16 @@ class KernelBlocks(NamedTuple):
     vmem_bytes: int  # the estimate the choice was made on (ops/vmem.py)
 
 
+def pallas_compute_dtype(dtype) -> str:
+    """The dtype name the Pallas kernels run in for activations of `dtype`."""
+    name = vmem.dtype_name(dtype)
+    return PALLAS_COMPUTE_DTYPE.get(name, name)
+
+
 def token_block(dtype, backend: str = "pallas") -> int:
     """Token block B for a segment layout built for `backend` and activation `dtype`."""
-    key = (backend, vmem.dtype_name(dtype))
+    name = pallas_compute_dtype(dtype) if backend == "pallas" else vmem.dtype_name(dtype)
+    key = (backend, name)
     if key not in TOKEN_BLOCK:
         raise ValueError(f"no token block for backend={backend!r} dtype={key[1]!r}")
     return TOKEN_BLOCK[key]
@@ -72,7 +90,9 @@ def kernel_blocks(op: str, features: int, rank: int, dtype) -> KernelBlocks:
     alike: the largest legal feature tile whose VMEM estimate fits Mosaic's default
     scoped limit; if none does (only a wide dim that is not a multiple of 128 at a
     large rank), the smallest tile with an explicit vmem_limit_bytes (which may exceed
-    vmem.VMEM_LIMIT_CEILING_BYTES: check_kernel_budget refuses those shapes)."""
+    vmem.VMEM_LIMIT_CEILING_BYTES: check_kernel_budget refuses those shapes).
+    `dtype` is the activations'; the blocks are those of the kernels' compute dtype."""
+    dtype = pallas_compute_dtype(dtype)
     block = token_block(dtype, "pallas")
     tiles = legal_feature_tiles(features, dtype)
     for tile in tiles:

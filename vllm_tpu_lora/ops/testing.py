@@ -18,6 +18,7 @@ DISTRIBUTIONS = ("identical", "distinct", "uniform", "skewed")
 TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-4, 1e-4),
     torch.bfloat16: (6e-2, 2e-2),
+    torch.float16: (1e-2, 4e-3),  # 11 mantissa bits
 }
 
 
