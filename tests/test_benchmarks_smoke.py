@@ -36,3 +36,28 @@ def test_benchmark_lora_many_adapters_small_runs():
     assert many["relative_to_8_adapters"] > 0
     assert rows["adapter_cold_start"]["ttft_ms_median"] > 0
     assert rows["compilations_after_warmup"]["count"] == 0
+
+
+def test_tpu_kernel_script_runs_without_torch():
+    """benchmarks/tpu_kernels.py is what runs on a JAX-only TPU host (no torch there):
+    with torch made unimportable, its interpreter smoke run checks float32 ("highest"),
+    bfloat16 and float16 kernels against numpy, and its bench rows carry every strategy."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "tpu_kernels.py")
+    code = ("import runpy, sys; sys.modules['torch'] = None; "  # `import torch` now raises
+            f"sys.argv = [{script!r}, '--interpret', '--quick', '--parts', 'check,bench', "
+            "'--k', '2', '--reps', '1']; runpy.run_path(sys.argv[0], run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    checks = [r for r in rows if r["part"] == "check"]
+    assert [r["dtype"] for r in checks] == ["float32", "bfloat16", "float16"]
+    assert all(r["ok"] for r in checks), checks
+    assert checks[2]["compute_dtype"] == "float32"  # float16 runs the kernels in float32
+    (bench,) = [r for r in rows if r["part"] == "bench"]
+    for name in ("base_matmul", "pallas", "ragged_dot", "onehot", "gathered"):
+        assert bench[f"{name}_ms"] > 0, bench
