@@ -5,9 +5,10 @@ XLA backend was chosen with benchmarks/benchmark_ops.py on XLA CPU. One TPU v5e 
 (benchmarks/tpu_kernels.py, docs/results/tpu_kernels.jsonl, JAX only) checked them:
 every block this module picks for 7 widths (128 to 28672) x 5 ranks (8 to 512) x
 f32/bf16 compiled, and the Pallas delta per token block (bf16, R=16, D=4096) was
-best at B=16 for 16-token steps and at B=32 for 256 and 2048 (1.2-1.6x faster than
-16 there). The table keeps B=16 (decode dominates serving); a token-bucket-dependent
-B is the measured next step. Lookups never need to change.
+best at B=16 for 16-token steps; B=32 was 1.2-1.6x faster than 16 at 2048 tokens and
+1.1-1.3x at 256 with 1-4 adapters (a tie with 16). The table keeps B=16 (decode
+dominates serving); a token-bucket-dependent B is the measured next step. Lookups
+never need to change.
 
 Rules the values respect (Mosaic legality): the last two dims of every block are
 divisible by (8, 128) or equal the full array dims. bf16 packs two rows per
