@@ -19,18 +19,23 @@ def test_benchmark_vs_peft_small_runs_and_outputs_agree():
 
 
 def test_benchmark_lora_many_adapters_small_runs():
-    """--many-adapters at smoke size: every request's adapter is read during the run, the
-    rows carry the ratio and cold start, and nothing compiles after warm-up."""
+    """--many-adapters --breakdown at smoke size: every request's adapter is read during
+    the run, the rows carry the ratio and cold start, and nothing compiles after warm-up."""
     import json
     import os
     import subprocess
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "benchmark_lora.py")
-    out = subprocess.run([sys.executable, script, "--many-adapters", "--small", "--rounds", "1"],
+    out = subprocess.run([sys.executable, script, "--many-adapters", "--small", "--rounds", "1",
+                          "--breakdown"],
                          capture_output=True, text=True, timeout=600, check=True).stdout
     rows = {r["name"]: r for r in map(json.loads, out.splitlines())}
     many = rows["many_adapters:24_distinct_adapters"]
+    # --breakdown: the pre-read half writes slots but reads nothing during its run.
+    cached = rows["many_adapters:breakdown:24_adapters_host_cached"]
+    assert cached["adapter_reads"] == 0 and cached["slot_writes"] >= 24
+    assert rows["many_adapters:breakdown:16_adapters"]["slot_writes"] <= 16
     assert many["adapter_reads"] == 24 and many["slot_writes"] >= 24
     assert rows["many_adapters:8_adapters"]["adapter_reads"] <= 8
     assert many["relative_to_8_adapters"] > 0
