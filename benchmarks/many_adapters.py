@@ -9,7 +9,7 @@ best round of each with the host/device split, the ratio of the two (target >= 0
 each round's own ratio with their median, adapter reads and slot writes; the cost of one
 slot write; and adapter cold start: an idle engine gets a request whose adapter it has
 never seen (arrival -> first token), against the same request with the adapter already
-in a slot. --breakdown adds two diagnostic halves: 16 adapters (all fit the slots), and
+in a slot. --breakdown adds two diagnostic halves: as many adapters as slots (16), and
 the distinct adapters read into the host cache before the timed run (slot writes, no
 disk); the engine then gets max_cpu_loras = requests + 16 to hold them.
 
@@ -92,13 +92,14 @@ def cold_start_rows(llm, paths: list[str], first_id: int, trials: int = 5) -> li
              "ttft_ms_all": warm, "trials": trials}]
 
 
-def _breakdown_rows(results: dict[str, list[dict]], n: int) -> list[dict]:
+def _breakdown_rows(results: dict[str, list[dict]], n: int, slots: int) -> list[dict]:
     """--breakdown's halves: best round, and pooled time relative to the 8-adapter half."""
     few_s = sum(r["elapsed_s"] for r in results["8_adapters"])
     return [{"name": f"many_adapters:breakdown:{name}", "requests": n,
              **max(rows, key=lambda r: r["output_tokens_per_s"]),
              "relative_pooled": few_s / sum(r["elapsed_s"] for r in rows)}
-            for name, rows in results.items() if name in ("16_adapters", f"{n}_adapters_host_cached")]
+            for name, rows in results.items()
+            if name in (f"{slots}_adapters_no_swaps", f"{n}_adapters_host_cached")]
 
 
 def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[dict]:
@@ -116,10 +117,11 @@ def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[
                          max_lora_rank=args.rank, **cache)
     manager = llm.llm_engine.lora_manager
     few = [LoRARequest(f"few{i}", i + 1, paths[i]) for i in range(8)]
-    sixteen = [LoRARequest(f"sixteen{i}", 100 + i, paths[i]) for i in range(16)]
+    slots = args.max_num_seqs  # = max_loras
+    as_many = [LoRARequest(f"slots{i}", 100 + i, paths[i]) for i in range(min(slots, n))]
     results: dict[str, list[dict]] = {"8_adapters": [], f"{n}_adapters": []}
     if breakdown:
-        results.update({"16_adapters": [], f"{n}_adapters_host_cached": []})
+        results.update({f"{slots}_adapters_no_swaps": [], f"{n}_adapters_host_cached": []})
     next_id = 1000
     for rnd in range(args.rounds):
         # Alternate the halves' order (ABBA...): a host that drifts within a round then
@@ -127,8 +129,8 @@ def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[
         for name in list(results)[::1 if rnd % 2 == 0 else -1]:
             if name == "8_adapters":
                 loras = [few[i % 8] for i in range(n)]
-            elif name == "16_adapters":  # as many adapters as slots: no swap after the first
-                loras = [sixteen[i % 16] for i in range(n)]
+            elif name == f"{slots}_adapters_no_swaps":  # as many adapters as slots: no swaps
+                loras = [as_many[i % len(as_many)] for i in range(n)]
             else:  # fresh ids: every adapter is read from disk during the run
                 loras = [LoRARequest(f"many{i}", next_id + i, paths[i]) for i in range(n)]
                 next_id += n
@@ -161,7 +163,7 @@ def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[
              "relative_pooled": sum(r["elapsed_s"] for r in results["8_adapters"])
              / sum(r["elapsed_s"] for r in results[f"{n}_adapters"]),
              "rounds": args.rounds},
-            *_breakdown_rows(results, n),
+            *_breakdown_rows(results, n, slots),
             slot_write_row(llm, paths[0]),
             *cold_start_rows(llm, paths, next_id),
             {"name": "compilations_after_warmup", "count": stats["compilations_after_warmup"],

@@ -35,7 +35,8 @@ def test_benchmark_lora_many_adapters_small_runs():
     # --breakdown: the pre-read half writes slots but reads nothing during its run.
     cached = rows["many_adapters:breakdown:24_adapters_host_cached"]
     assert cached["adapter_reads"] == 0 and cached["slot_writes"] >= 24
-    assert rows["many_adapters:breakdown:16_adapters"]["slot_writes"] <= 16
+    # As many adapters as slots (--small: max_loras = max_num_seqs = 8): no swaps.
+    assert rows["many_adapters:breakdown:8_adapters_no_swaps"]["slot_writes"] <= 8
     assert many["adapter_reads"] == 24 and many["slot_writes"] >= 24
     assert rows["many_adapters:8_adapters"]["adapter_reads"] <= 8
     assert many["relative_to_8_adapters"] > 0
