@@ -56,7 +56,7 @@ def parse_args() -> argparse.Namespace:
                         "adapter vs the same requests over 8 adapters (see many_adapters.py)")
     p.add_argument("--breakdown", action="store_true",
                    help="with --many-adapters: two more halves per round that split the cost "
-                        "(16 adapters, no swaps; the distinct adapters pre-read into the host "
+                        "(as many adapters as slots, no swaps; the distinct adapters pre-read into the host "
                         "cache, so slot writes without disk); raises max_cpu_loras to hold them")
     p.set_defaults(num_requests=48, hidden=512, intermediate=1408, layers=4, heads=8,
                    kv_heads=4, prompt_len=[16, 64], output_len=[32, 32], max_num_seqs=16,

@@ -110,7 +110,7 @@ def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[
     n = args.num_requests
     work = make_workload(args)
     paths = make_many_adapters(model_dir, os.path.join(tmp, "many"), n, args.rank)
-    breakdown = getattr(args, "breakdown", False)
+    breakdown = args.breakdown
     # --breakdown: the host cache must hold a whole half's adapters (diagnostic only).
     cache = {"max_cpu_loras": n + 16} if breakdown else {}
     llm = engine_factory(model_dir, args, enable_lora=True, max_loras=args.max_num_seqs,
@@ -122,6 +122,7 @@ def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[
     results: dict[str, list[dict]] = {"8_adapters": [], f"{n}_adapters": []}
     if breakdown:
         results.update({f"{slots}_adapters_no_swaps": [], f"{n}_adapters_host_cached": []})
+    fresh = {f"{n}_adapters", f"{n}_adapters_host_cached"}  # halves with new adapter ids
     next_id = 1000
     for rnd in range(args.rounds):
         # Alternate the halves' order (ABBA...): a host that drifts within a round then
@@ -142,7 +143,7 @@ def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[
             row.update(adapter_reads=manager.num_host_loads - loads0,
                        slot_writes=manager.num_slot_loads - slots0)
             results[name].append(row)
-            if name.startswith(str(n)):
+            if name in fresh:
                 for lr in loras:
                     llm.llm_engine.remove_lora(lr.lora_int_id)
     best = {name: max(rows, key=lambda r: r["output_tokens_per_s"])

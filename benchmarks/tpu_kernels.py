@@ -53,7 +53,7 @@ def emit(row: dict) -> None:
 # ---- inputs -------------------------------------------------------------------------
 
 
-def segment_case(rng, t, n, block, skew=True):
+def segment_case(bs, rng, t, n, block, skew=True):
     """A segment layout in numpy: per-slot token counts (slot 1 unused when n > 1, so
     its weights may be NaN), each run padded to `block`, trailing padding blocks -1.
     Returns (block_slot int32 [T_pad/B], row_slot int32 [T_pad] (-1: padding block),
@@ -64,9 +64,7 @@ def segment_case(rng, t, n, block, skew=True):
         weights /= weights.sum()
     counts = rng.multinomial(t, weights)
     padded = -(-counts // block) * block
-    worst = t + min(n, t) * (block - 1)
-    t_pad = max(block, -(-worst // block) * block)
-    row_slot = np.full(t_pad, -1, np.int32)
+    row_slot = np.full(bs.padded_num_tokens(t, n, block), -1, np.int32)
     row_slot[: padded.sum()] = np.repeat(np.arange(n, dtype=np.int32), padded)
     return row_slot[::block].copy(), row_slot, padded.astype(np.int32)
 
@@ -100,7 +98,7 @@ def check_one(pk, bs, jnp, t, n, d, o, r, dtype, precision, interpret):
     in float32), outputs cast back to the activation dtype."""
     rng = np.random.default_rng(t * 7 + n * 13 + r)
     block = bs.token_block(dtype, "pallas")
-    block_slot, row_slot, _ = segment_case(rng, t, n, block)
+    block_slot, row_slot, _ = segment_case(bs, rng, t, n, block)
     t_pad = row_slot.size
     jt, act = jnp.dtype(bs.pallas_compute_dtype(dtype)), jnp.dtype(dtype)
     xs = jnp.asarray(rng.standard_normal((t_pad, d)), act).astype(jt)
@@ -160,7 +158,7 @@ def vmem_sweep(pk, bs, jax, jnp, widths, ranks, dtypes, t=256, n=4):
             for r in ranks:
                 for dtype in dtypes:
                     kb = bs.kernel_blocks(op, f, r, dtype)
-                    t_pad = -(-(t + n * (kb.token_block - 1)) // kb.token_block) * kb.token_block
+                    t_pad = bs.padded_num_tokens(t, n, kb.token_block)
                     jt = jnp.dtype(dtype)
                     slots = jax.ShapeDtypeStruct((t_pad // kb.token_block,), jnp.int32)
                     if op == "shrink":
@@ -217,6 +215,16 @@ def _stack_size(rows, d, o, itemsize, k_max):
     return int(max(4, min(k_max, (2 << 30) // (rows * (d + o) * itemsize))))
 
 
+def _stacked_inputs(jnp, rng, t_pad, n, d, o, r, jt, k_max):
+    """k stacked activations [k, T_pad, D] (k from _stack_size) and one adapter set:
+    A [N, R, D], B [N, O, R], scaled so every product is O(1)."""
+    k = _stack_size(t_pad, d, o, jt.itemsize, k_max)
+    xs = jnp.asarray(rng.standard_normal((k, t_pad, d)), jt)
+    a = jnp.asarray(rng.standard_normal((n, r, d)) / np.sqrt(d), jt)
+    b = jnp.asarray(rng.standard_normal((n, o, r)) / np.sqrt(r), jt)
+    return xs, a, b
+
+
 def _strategies(pk, jax, jnp, block, n, r, interpret):
     """One LoRA linear's delta, four ways, on segment-ordered rows; and the base matmul."""
 
@@ -247,12 +255,10 @@ def bench(pk, bs, jax, jnp, configs, k_max, reps, interpret):
     for t, n, d, o, r, dtype in configs:
         rng = np.random.default_rng(0)
         block = bs.token_block(dtype, "pallas")
-        block_slot, row_slot, groups = segment_case(rng, t, n, block)
+        block_slot, row_slot, groups = segment_case(bs, rng, t, n, block)
         t_pad, jt = row_slot.size, jnp.dtype(dtype)
-        k = _stack_size(t_pad, d, o, jt.itemsize, k_max)
-        xs = jnp.asarray(rng.standard_normal((k, t_pad, d)), jt)
-        a = jnp.asarray(rng.standard_normal((n, r, d)) / np.sqrt(d), jt)
-        b = jnp.asarray(rng.standard_normal((n, o, r)) / np.sqrt(r), jt)
+        xs, a, b = _stacked_inputs(jnp, rng, t_pad, n, d, o, r, jt, k_max)
+        k = xs.shape[0]
         w = jnp.asarray(rng.standard_normal((d, o)) / np.sqrt(d), jt)
         slots, rows, gs = jnp.asarray(block_slot), jnp.asarray(row_slot), jnp.asarray(groups)
         a_t, b_t = jnp.swapaxes(a, 1, 2), jnp.swapaxes(b, 1, 2)  # [N, D, R], [N, R, O]
@@ -290,12 +296,9 @@ def block_sweep(pk, bs, jax, jnp, configs, blocks, k_max, reps, interpret):
         row = dict(part="blocks", T=t, N=n, D=d, O=o, R=r, dtype=dtype)
         for block in blocks:
             rng = np.random.default_rng(0)
-            block_slot, _, _ = segment_case(rng, t, n, block)
+            block_slot, _, _ = segment_case(bs, rng, t, n, block)
             t_pad = block_slot.size * block
-            k = _stack_size(t_pad, d, o, jt.itemsize, k_max)
-            xs = jnp.asarray(rng.standard_normal((k, t_pad, d)), jt)
-            a = jnp.asarray(rng.standard_normal((n, r, d)) / np.sqrt(d), jt)
-            b = jnp.asarray(rng.standard_normal((n, o, r)) / np.sqrt(r), jt)
+            xs, a, b = _stacked_inputs(jnp, rng, t_pad, n, d, o, r, jt, k_max)
             pallas = _strategies(pk, jax, jnp, block, n, r, interpret)[0]
             try:
                 row[f"B{block}_ms"] = round(

@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_tpu_lora.ops.block_sizes import padded_num_tokens  # noqa: F401  (re-exported)
+
 
 class SegmentLayout(NamedTuple):
     """Tokens sorted by LoRA slot, each slot's run padded to a multiple of `block`.
@@ -43,12 +45,6 @@ class SegmentLayout(NamedTuple):
     idx: torch.Tensor  # int32 [T]: slot of each token (-1 = none); used by one-hot
     block_slot: torch.Tensor  # int32 [T_pad // block]: slot of each block, -1 = padding
     block: int  # token block B (static)
-
-
-def padded_num_tokens(num_tokens: int, num_slots: int, block: int) -> int:
-    """Static padded length: every non-empty slot wastes at most block - 1 rows."""
-    worst = num_tokens + min(num_slots, num_tokens) * (block - 1)
-    return max(block, -(-worst // block) * block)
 
 
 def make_segment_layout(idx: torch.Tensor, num_slots: int, block: int) -> SegmentLayout:

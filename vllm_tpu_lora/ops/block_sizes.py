@@ -60,6 +60,14 @@ class KernelBlocks(NamedTuple):
     vmem_bytes: int  # the estimate the choice was made on (ops/vmem.py)
 
 
+def padded_num_tokens(num_tokens: int, num_slots: int, block: int) -> int:
+    """Static padded length of a segment layout: every non-empty slot wastes at most
+    block - 1 rows. Pure Python here, so JAX-only code (benchmarks/tpu_kernels.py) uses
+    the same rule as the torch ops."""
+    worst = num_tokens + min(num_slots, num_tokens) * (block - 1)
+    return max(block, -(-worst // block) * block)
+
+
 def pallas_compute_dtype(dtype) -> str:
     """The dtype name the Pallas kernels run in for activations of `dtype`."""
     name = vmem.dtype_name(dtype)
