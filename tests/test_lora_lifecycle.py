@@ -8,6 +8,7 @@ Oracle: HF transformers + PEFT in float32 (greedy ids), computed before any dama
 import os
 import shutil
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -118,6 +119,45 @@ def test_queued_request_does_not_evict_running_adapters(llm, adapter_src, tmp_pa
     assert "r2" not in engine.running_request_ids()
     _drain(engine, done)
     assert {"r0", "r1", "r2"} <= set(done)
+
+
+def test_idle_engine_starts_a_burst_as_one_batch(llm, adapter_src, oracle, tmp_path,
+                                                 monkeypatch):
+    """Requests for adapters on disk reach an idle engine: the first step that runs
+    anything runs all of them (it waits for the reads in flight), instead of starting
+    each adapter's requests as its read lands (a trickle of small prefill steps)."""
+    from vllm_tpu_lora.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "_BURST_WAIT_S", 30.0)  # the bound is not under test
+    engine = llm.llm_engine
+    registry = engine.lora_manager.registry
+    read = registry._load
+
+    def slow_read(request):  # a slow disk: 30 ms per adapter, one after the other
+        time.sleep(0.03)
+        return read(request)
+
+    monkeypatch.setattr(registry, "_load", slow_read)
+    reqs = _copy_adapters({k: adapter_src[k] for k in ("a1", "a2")}, tmp_path)
+    picks = ["a1", "a2", "a1", "a2"]
+    prompts = [[30 + i, 31, 32] for i in range(4)]
+    for i, (prompt, name) in enumerate(zip(prompts, picks)):
+        engine.add_request(f"burst{i}", {"prompt_token_ids": prompt}, GREEDY,
+                           lora_request=reqs[name])
+    assert not engine.scheduler.running
+    done: dict = {}
+    steps = 0
+    while not engine.scheduler.running:
+        steps += 1
+        assert steps < 50, "the burst never started"
+        engine.step()
+    assert sorted(engine.running_request_ids()) == [f"burst{i}" for i in range(4)]
+    _drain(engine, done)
+    expected = hf_greedy(oracle, prompts, MAX_NEW, adapter_names=picks)
+    assert [done[f"burst{i}"].outputs[0].token_ids for i in range(4)] == [
+        e.token_ids for e in expected]
+    for req in reqs.values():
+        engine.remove_lora(req.lora_int_id)
 
 
 def test_waiting_requests_do_not_hold_host_memory(llm, adapter_src, oracle, tmp_path):

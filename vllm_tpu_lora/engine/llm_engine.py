@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict
 # How long an idle step waits for a background adapter read before returning.
 _LOAD_WAIT_S = 0.005
+# How long an idle engine waits for the adapter reads in flight before admitting a burst.
+_BURST_WAIT_S = 0.1
 
 
 class LLMEngine:
@@ -262,6 +264,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         failed = self._advance_lora_loads() if self.lora_manager is not None else []
+        if self.lora_manager is not None and self.scheduler.waiting and not self.scheduler.running:
+            # An idle engine facing a burst of requests for adapters on disk: admitting each
+            # as its read lands starts the burst as a trickle of small prefill steps, and the
+            # staggered finishes keep every later step small too. Let the reads in flight
+            # (at most max_loras, a few ms each) land first, so the burst starts as one batch.
+            self.lora_manager.registry.wait_for_loads(_BURST_WAIT_S, every=True)
+            failed += self._advance_lora_loads()
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.lora_manager is not None and self.scheduler.waiting:

@@ -86,7 +86,8 @@ class LoRAManager:
                         for name, layer in layers.items()
                         for i, (a, b) in enumerate(zip(layer.lora_a, layer.lora_b))]
         self.registry = AdapterRegistry(max_cpu_loras=max_cpu_loras, validate=self._validate,
-                                        load=self._load_host, on_weights_changed=self._free_slot_of)
+                                        load=self._load_host, on_weights_changed=self._free_slot_of,
+                                        max_loads_in_flight=max_loras)
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id per device slot
         self._slot_used_at = [0] * max_loras
         self._clock = 0

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +36,9 @@ from vllm_tpu_lora.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
-# Adapters read at once by the background loader. One thread is enough to hide the reads
-# behind steps; more would only compete with the step for the host's cores.
+# Reads queued at once for the background loader when the engine does not say (it passes
+# max_loras: the most adapters one admission can start). One thread does the reads: more
+# would only compete with the step for the host's cores.
 MAX_LOADS_IN_FLIGHT = 2
 
 # Process-wide, never reused: the prefix cache keys KV blocks by (id, weights version), and
@@ -78,11 +79,13 @@ class AdapterEntry:
 class AdapterRegistry:
     def __init__(self, *, max_cpu_loras: int, validate: Callable[[LoRARequest], None],
                  load: Callable[[LoRARequest], Any],
-                 on_weights_changed: Callable[[int], None]) -> None:
+                 on_weights_changed: Callable[[int], None],
+                 max_loads_in_flight: int = MAX_LOADS_IN_FLIGHT) -> None:
         """validate(request) raises ValueError for a bad adapter without reading tensor data;
         load(request) returns the host copy (runs in the loader thread: must not touch
         engine state); on_weights_changed(lora_id) frees the adapter's device slot."""
         self.max_cpu_loras = max_cpu_loras
+        self.max_loads_in_flight = max_loads_in_flight
         self._validate, self._load, self._on_weights_changed = validate, load, on_weights_changed
         self.entries: dict[int, AdapterEntry] = {}
         self._clock = 0
@@ -192,7 +195,7 @@ class AdapterRegistry:
             self._wanted.add(lora_id)  # needed soon: last out of the host cache
             # (A staged reload is read once the old version drained: see _apply_staged.)
             if (entry.host is None and entry.staged is None and entry.loading is None
-                    and in_flight < MAX_LOADS_IN_FLIGHT):
+                    and in_flight < self.max_loads_in_flight):
                 entry.loading = self._pool().submit(self._load, entry.request)
                 entry.loading_generation = entry.generation
                 self._loading.add(lora_id)
@@ -231,11 +234,12 @@ class AdapterRegistry:
             self._trim()
         return failed
 
-    def wait_for_loads(self, timeout: float) -> None:
-        """Block (GIL released) until a background read finishes or `timeout` passes."""
+    def wait_for_loads(self, timeout: float, every: bool = False) -> None:
+        """Block (GIL released) until a background read (`every`: all reads in flight)
+        finishes or `timeout` passes."""
         futures = [self.entries[i].loading for i in self._loading if i in self.entries]
         if futures:
-            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+            wait(futures, timeout=timeout, return_when=ALL_COMPLETED if every else FIRST_COMPLETED)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
