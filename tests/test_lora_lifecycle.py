@@ -73,14 +73,14 @@ class LoaderProbe:
     runs (the background loader thread is not profiled, and may read all it wants)."""
 
     READERS = ("_read_config", "_read_weights", "_header_tensors", "adapter_fingerprint",
-               "load_peft_adapter")
+               "load_peft_adapter", "plain_slices", "read_adapter_bytes")
 
     def __init__(self) -> None:
         self.calls: list[str] = []
 
     def __call__(self, frame, event, arg) -> None:
         if (event == "call" and frame.f_code.co_name in self.READERS
-                and frame.f_code.co_filename.endswith("peft_loader.py")):
+                and frame.f_code.co_filename.endswith(("peft_loader.py", "copy_plan.py"))):
             self.calls.append(frame.f_code.co_name)
 
     def step(self, engine):

@@ -6,7 +6,8 @@
   `activate()` puts the adapters of one step into slots, evicting the least recently used
   slot whose adapter no running sequence uses and that is not pinned.
 - A host copy is prepared once, in the loader thread: every buffer's slot image (padded to
-  max_lora_rank, scale folded into B, in lora_dtype) concatenated into one flat tensor. A
+  max_lora_rank, scale folded into B, in lora_dtype) concatenated into one flat tensor;
+  for an adapter of a recipe seen before, straight from its file bytes (copy_plan.py). A
   slot write is then one host->device transfer plus one graph of `index_copy_`s at a slot
   index held in a device tensor: compiled once at warm-up, the same for every adapter.
 - Pins (vLLM's pin_lora): a pinned adapter keeps its host copy and its device slot for
@@ -16,7 +17,9 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from vllm_tpu_lora import platform
+from vllm_tpu_lora.lora.copy_plan import AdapterBytes, CopyPlan, build_plan, read_adapter_bytes
 from vllm_tpu_lora.lora.layers import LoRALinear
 from vllm_tpu_lora.lora.peft_loader import (
     LoRAModel,
@@ -31,12 +35,14 @@ from vllm_tpu_lora.lora.peft_loader import (
     header_digest,
     load_peft_adapter,
     model_targets,
+    plain_slices,
     raise_if_not_finite,
 )
 from vllm_tpu_lora.lora.registry import AdapterRegistry
 from vllm_tpu_lora.lora.request import LoRARequest
 
-# Digests of adapter headers that passed validation (LRU): one per adapter recipe in use.
+# Adapter recipes remembered (LRU), by the digest of their config and header: validations
+# passed, and copy plans.
 _VALID_HEADERS_KEPT = 256
 
 
@@ -99,6 +105,10 @@ class LoRAManager:
         self._write_graph = self._write_eager  # replaced by a captured graph (use_capture)
         self._model_targets: dict | None = None
         self._valid_headers: OrderedDict[bytes, None] = OrderedDict()  # see _validate
+        self._flat_numel = sum(math.prod(shape) for shape in self._shapes)
+        # Recipe digest -> its CopyPlan, or None for a recipe that has none (see _load_host).
+        self._plans: OrderedDict[bytes, CopyPlan | None] = OrderedDict()
+        self._plans_lock = threading.Lock()  # the loader thread and add_lora both load
 
     def use_capture(self, capture) -> None:
         """Replay slot writes as a captured graph (the runner's LazyGraphCapture): a write
@@ -234,7 +244,50 @@ class LoRAManager:
                 self._valid_headers.popitem(last=False)
 
     def _load_host(self, request: LoRARequest) -> HostAdapter:
-        """Read, validate and lay out an adapter (loader thread: touches no engine state)."""
+        """Read, validate and lay out an adapter (loader thread, or the engine thread for
+        add_lora: touches no engine state). An adapter of a recipe laid out before is
+        copied straight from its file bytes (see copy_plan.py)."""
+        # The data is read here only for a recipe with a plan, or one not seen yet (to
+        # learn its plan); a recipe known to have none goes the whole way alone.
+        files = read_adapter_bytes(request.lora_path, self._plan_wanted)
+        with self._plans_lock:
+            known = files is not None and files.digest in self._plans
+            plan = self._plans[files.digest] if known else None
+            if known:
+                self._plans.move_to_end(files.digest)
+        if plan is not None and files.data is not None:
+            flat = torch.zeros(self._flat_numel, dtype=self.dtype)
+            plan.apply(files.data, _slot_views(flat, self._shapes))
+            if torch.isfinite(flat.sum(dtype=torch.float32)):
+                return HostAdapter(request.lora_name, flat)
+            # Not finite: the whole way below names the culprit in its error.
+        host = self._load_whole_way(request)
+        if files is not None and files.data is not None and not known:
+            self._learn_plan(request, files, host)
+        return host
+
+    def _plan_wanted(self, digest: bytes) -> bool:
+        with self._plans_lock:
+            return self._plans.get(digest, True) is not None
+
+    def _learn_plan(self, request: LoRARequest, files: AdapterBytes, host: HostAdapter) -> None:
+        """Record the copy plan of `host`'s recipe (None: not a plain adapter, or the plan
+        does not rebuild this very image bit for bit, e.g. the files changed meanwhile)."""
+        slices = plain_slices(request.lora_path, self._targets())
+        plan = None
+        if slices is not None:
+            plan = build_plan(slices, json.loads(files.header), self._layout)
+        if plan is not None:
+            flat = torch.zeros(self._flat_numel, dtype=self.dtype)
+            plan.apply(files.data, _slot_views(flat, self._shapes))
+            if not torch.equal(flat, host.flat):
+                plan = None
+        with self._plans_lock:
+            self._plans[files.digest] = plan
+            if len(self._plans) > _VALID_HEADERS_KEPT:
+                self._plans.popitem(last=False)
+
+    def _load_whole_way(self, request: LoRARequest) -> HostAdapter:
         # float32 while scaling: the scale is folded into B before the cast to self.dtype.
         lora = load_peft_adapter(request, self.model, max_lora_rank=self.max_rank,
                                  dtype=torch.float32, target_modules=self.target_modules,
@@ -255,7 +308,7 @@ class LoRAManager:
     def _host_adapter(self, lora: LoRAModel | None) -> HostAdapter:
         """The slot image, written in place into one zeroed flat tensor: each slice
         zero-padded to max_rank, its scale folded into B (so the kernels need no scale)."""
-        flat = torch.zeros(sum(math.prod(shape) for shape in self._shapes), dtype=self.dtype)
+        flat = torch.zeros(self._flat_numel, dtype=self.dtype)
         views = _slot_views(flat, self._shapes)  # A, B, A, B, ... in _layout's order
         n_ab = 2 * len(self._layout)
         for (name, i, _, _, by_input), a, b in zip(self._layout, views[0:n_ab:2],

@@ -46,6 +46,11 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
                        "BOOL": torch.bool}
 
 
+def safetensors_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (KeyError for one we do not read)."""
+    return _SAFETENSORS_DTYPES[name]
+
+
 class _Invalid(Exception):
     """A problem with the adapter; load_peft_adapter adds the adapter's name."""
 
@@ -180,8 +185,53 @@ def header_digest(path: str) -> bytes | None:
         return None
     if len(header) != n:
         return None
+    return recipe_digest(size, config, header)
+
+
+def recipe_digest(size: int, config: bytes, header: bytes) -> bytes:
+    """header_digest's formula, for a caller that has read the bytes itself."""
     return hashlib.blake2b(b"%d %d\0" % (size, len(config)) + config + header,
                            digest_size=32).digest()
+
+
+class PlainSlice(NamedTuple):
+    """One PEFT module of a plain adapter: where its tensors are and where they go."""
+    target: _Target
+    lora_a: str  # safetensors key of lora_A [r, in]
+    lora_b: str  # of lora_B [out, r]
+    rank: int
+    scale: float
+
+
+def plain_slices(path: str, targets: dict) -> list[PlainSlice] | None:
+    """The adapter at `path` as (target, A key, B key, rank, scale) per PEFT module, from
+    its config and safetensors header alone, if it is a plain LoRA adapter: lora_A/lora_B
+    weights of linear layers only (no bias, DoRA, vocabulary modules or saved base
+    weights). None for anything else. For an adapter that load_peft_adapter has accepted
+    (the caller's duty): the facts its slot image is built from, so another adapter with
+    the same config and header can be laid out straight from its file bytes."""
+    try:
+        cfg = _read_config(path)
+        _check_config(cfg)
+        file = _weights_file(path)
+        if file != os.path.join(path, ADAPTER_SAFETENSORS):
+            return None
+        tensors = _read_safetensors(file, header_only=True)
+        if any(_base_copy_module(k) for k in tensors):
+            return None
+        key_of = {id(t): k for k, t in tensors.items()}
+        pairs = _group_tensors(tensors, targets, cfg, path)
+    except (_Invalid, OSError, ValueError):
+        return None
+    out = []
+    for name in sorted(pairs):
+        if set(pairs[name]) != {"lora_A", "lora_B"} or name.rsplit(".", 1)[-1] in VOCAB_TARGETS:
+            return None
+        a, b = pairs[name]["lora_A"], pairs[name]["lora_B"]
+        r = a.shape[0]
+        out.append(PlainSlice(targets[name], key_of[id(a)], key_of[id(b)], r,
+                              float(_module_scale(name, r, cfg))))
+    return out
 
 
 def _read_safetensors(file: str, header_only: bool) -> dict[str, torch.Tensor]:
@@ -485,9 +535,7 @@ def _build_modules(pairs, targets: dict[str, _Target], cfg: dict, dtype: torch.d
         target = targets[name]
         a, b = pairs[name]["lora_A"], pairs[name]["lora_B"]
         r = _checked_rank(name, a, b, target, cfg)
-        alpha = _pattern_value(cfg["alpha_pattern"], name, cfg["lora_alpha"])
-        # PEFT's LoraLayer.update_layer: the scaling is computed from the module's own r/alpha.
-        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        scale = _module_scale(name, r, cfg)
         a, b = _cast(cast, name, "lora_A", a, dtype), _cast(cast, name, "lora_B", b, dtype)
         vectors = {}  # lora_B's bias, DoRA's magnitude: one value per output channel
         for key, field in (("lora_B_bias", "bias"), ("magnitude", "magnitude")):
@@ -514,6 +562,12 @@ def _build_modules(pairs, targets: dict[str, _Target], cfg: dict, dtype: torch.d
     if check_finite:
         _check_finite(cast, dtype)
     return modules
+
+
+def _module_scale(name: str, r: int, cfg: dict) -> float:
+    """PEFT's LoraLayer.update_layer: the scaling from the module's own r and alpha."""
+    alpha = _pattern_value(cfg["alpha_pattern"], name, cfg["lora_alpha"])
+    return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
 
 
 def _checked_rank(name: str, a: torch.Tensor, b: torch.Tensor, target: _Target, cfg: dict) -> int:
