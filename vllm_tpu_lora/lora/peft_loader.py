@@ -199,12 +199,11 @@ class PlainSlice(NamedTuple):
     target: _Target
     lora_a: str  # safetensors key of lora_A [r, in]
     lora_b: str  # of lora_B [out, r]
-    rank: int
     scale: float
 
 
 def plain_slices(path: str, targets: dict) -> list[PlainSlice] | None:
-    """The adapter at `path` as (target, A key, B key, rank, scale) per PEFT module, from
+    """The adapter at `path` as (target, A key, B key, scale) per PEFT module, from
     its config and safetensors header alone, if it is a plain LoRA adapter: lora_A/lora_B
     weights of linear layers only (no bias, DoRA, vocabulary modules or saved base
     weights). None for anything else. For an adapter that load_peft_adapter has accepted
@@ -228,9 +227,8 @@ def plain_slices(path: str, targets: dict) -> list[PlainSlice] | None:
         if set(pairs[name]) != {"lora_A", "lora_B"} or name.rsplit(".", 1)[-1] in VOCAB_TARGETS:
             return None
         a, b = pairs[name]["lora_A"], pairs[name]["lora_B"]
-        r = a.shape[0]
-        out.append(PlainSlice(targets[name], key_of[id(a)], key_of[id(b)], r,
-                              float(_module_scale(name, r, cfg))))
+        out.append(PlainSlice(targets[name], key_of[id(a)], key_of[id(b)],
+                              float(_module_scale(name, a.shape[0], cfg))))
     return out
 
 
