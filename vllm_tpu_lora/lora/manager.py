@@ -168,7 +168,7 @@ class LoRAManager:
                 f"Cannot pin LoRA {lora_id}: max_loras is {self.max_loras} and "
                 f"{len(pinned)} adapter(s) are pinned; pinning another would leave no device "
                 "slot for the unpinned adapters (raise --max-loras)")
-        entry.pinned = True
+        self.registry.pin(lora_id)
         if lora_id not in self.slots:  # vLLM's pin also activates the adapter
             slot = self._evictable_slot(needed={lora_id})
             if slot is not None:
@@ -177,7 +177,7 @@ class LoRAManager:
 
     @property
     def pinned(self) -> set[int]:
-        return {i for i, e in self.registry.entries.items() if e.pinned}
+        return self.registry.pinned_ids()
 
     def list_loras(self) -> set[int]:
         return self.registry.cached_ids()

@@ -88,6 +88,10 @@ class AdapterRegistry:
         self.max_loads_in_flight = max_loads_in_flight
         self._validate, self._load, self._on_weights_changed = validate, load, on_weights_changed
         self.entries: dict[int, AdapterEntry] = {}
+        # Indexes over entries, so that per-step work does not grow with the adapters ever
+        # named (a server may have seen thousands): ids with a host copy, pinned ids.
+        self._cached: set[int] = set()
+        self._pinned: set[int] = set()
         self._clock = 0
         self._executor: ThreadPoolExecutor | None = None
         self._wanted: set[int] = set()  # adapters the waiting queue's head needs
@@ -125,7 +129,7 @@ class AdapterRegistry:
                 host = self._read(entry.request)
             except Exception:
                 if entry.refs == 0 and entry.loading is None and not entry.pinned:
-                    del self.entries[entry.request.lora_int_id]  # nothing else knows it
+                    self._drop(entry.request.lora_int_id)  # nothing else knows it
                 raise
             self._set_host(entry, host)
         else:
@@ -144,11 +148,22 @@ class AdapterRegistry:
         self._stage(entry, _Staged(request, adapter_fingerprint(request.lora_path), host))
 
     def remove(self, lora_id: int) -> AdapterEntry | None:
-        entry = self.entries.pop(lora_id, None)
+        entry = self.entries.get(lora_id)
         if entry is not None and entry.refs:
-            self.entries[lora_id] = entry
             raise RuntimeError(f"LoRA {lora_id} is referenced by {entry.refs} sequence(s)")
-        return entry
+        return self._drop(lora_id)
+
+    def _drop(self, lora_id: int) -> AdapterEntry | None:
+        self._cached.discard(lora_id)
+        self._pinned.discard(lora_id)
+        return self.entries.pop(lora_id, None)
+
+    def pin(self, lora_id: int) -> None:
+        self.entries[lora_id].pinned = True
+        self._pinned.add(lora_id)
+
+    def pinned_ids(self) -> set[int]:
+        return set(self._pinned)
 
     def _read(self, request: LoRARequest):
         host = self._load(request)
@@ -225,7 +240,7 @@ class AdapterRegistry:
                 entry.counters["load_failures"] += 1
                 failed[lora_id] = e if isinstance(e, LoRALoadError) else LoRALoadError(str(e))
                 if entry.refs == 0 and not entry.pinned:
-                    del self.entries[lora_id]
+                    self._drop(lora_id)
                 continue
             self.num_host_loads += 1
             entry.counters["host_loads"] += 1
@@ -261,12 +276,21 @@ class AdapterRegistry:
         return entry.host
 
     def cached_ids(self) -> set[int]:
-        return {i for i, e in self.entries.items() if e.host is not None}
+        return set(self._cached)
 
     def _set_host(self, entry: AdapterEntry, host) -> None:
-        entry.host = host
+        self._hold(entry, host)
         self._touch(entry)
         self._trim()
+
+    def _hold(self, entry: AdapterEntry, host) -> None:
+        """The only place entry.host changes (keeps the index of host copies)."""
+        entry.host = host
+        lora_id = entry.request.lora_int_id
+        if host is None:
+            self._cached.discard(lora_id)
+        else:
+            self._cached.add(lora_id)
 
     def _touch(self, entry: AdapterEntry) -> None:
         self._clock += 1
@@ -275,11 +299,12 @@ class AdapterRegistry:
     def _trim(self) -> None:
         """Keep at most max_cpu_loras unreferenced, unpinned host copies: least recently
         used out first, the ones the waiting queue's head needs (prefetched) last."""
-        idle = [(i in self._wanted, e.last_used, i) for i, e in self.entries.items()
-                if e.host is not None and not e.refs and not e.pinned]
+        entries = self.entries
+        idle = [(i in self._wanted, entries[i].last_used, i) for i in self._cached
+                if not entries[i].refs and not entries[i].pinned]
         for _, _, lora_id in sorted(idle)[:max(0, len(idle) - self.max_cpu_loras)]:
-            entry = self.entries[lora_id]
-            entry.host = None
+            entry = entries[lora_id]
+            self._hold(entry, None)
             entry.counters["host_evictions"] += 1
 
     def _stage(self, entry: AdapterEntry, staged: _Staged) -> None:
@@ -291,7 +316,7 @@ class AdapterRegistry:
     def _apply_staged(self, entry: AdapterEntry) -> None:
         staged, entry.staged = entry.staged, None
         entry.request, entry.fingerprint = staged.request, staged.fingerprint
-        entry.host = staged.host
+        self._hold(entry, staged.host)
         entry.generation += 1
         entry.weights_version = next(_weights_versions)
         self._on_weights_changed(entry.request.lora_int_id)
