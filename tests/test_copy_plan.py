@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from vllm_tpu_lora import LoRARequest
 from vllm_tpu_lora.lora import manager as manager_module
-from vllm_tpu_lora.lora.copy_plan import read_adapter_bytes
 from vllm_tpu_lora.lora.layers import wrap_lora_layers
 from vllm_tpu_lora.lora.manager import LoRAManager
+from vllm_tpu_lora.lora.peft_loader import read_adapter_bytes
 from vllm_tpu_lora.lora.punica import PunicaWrapper
 from vllm_tpu_lora.models.loader import load_model
 from vllm_tpu_lora.testing.factory import make_peft_adapter
@@ -101,7 +101,7 @@ def test_other_recipes_go_the_whole_way(llama_dir, tmp_path, whole_way_calls):
     for i, path in enumerate(paths):
         m._load_host(LoRARequest(os.path.basename(path), i + 1, path))
     assert whole_way_calls == ["r8", "r4", "dora1", "dora2"]
-    digest = read_adapter_bytes(paths[3], lambda _: False).digest
+    digest = read_adapter_bytes(paths[3]).digest
     assert m._plans[digest] is None and not m._plan_wanted(digest)  # its data: read once
 
 
@@ -122,8 +122,7 @@ def test_non_finite_values_are_named_on_the_plan_path(llama_dir, tmp_path, whole
     raw[start:start + 4] = struct.pack("<f", float("nan"))
     with open(file, "wb") as f:
         f.write(raw)
-    assert (read_adapter_bytes(bad, lambda _: False).digest
-            == read_adapter_bytes(good, lambda _: False).digest)
+    assert read_adapter_bytes(bad).digest == read_adapter_bytes(good).digest
     with pytest.raises(ValueError, match=r"Loading lora bad failed: lora_B of "
                                          r"model\.layers\.1\.mlp\.down_proj contains NaN"):
         m._load_host(LoRARequest("bad", 2, bad))

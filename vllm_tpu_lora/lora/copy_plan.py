@@ -15,53 +15,11 @@ the steps also need (1,000 adapters read during a run).
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from vllm_tpu_lora.lora.peft_loader import (
-    ADAPTER_CONFIG,
-    ADAPTER_SAFETENSORS,
-    PlainSlice,
-    recipe_digest,
-    safetensors_dtype,
-)
-
-
-class AdapterBytes(NamedTuple):
-    """An adapter's files as read once: what the recipe digest covers, and the data."""
-    digest: bytes
-    header: bytes  # the safetensors JSON header
-    data: bytearray | None  # the tensor data that follows it (None: not wanted)
-
-
-def read_adapter_bytes(path: str, want_data: Callable[[bytes], bool]) -> AdapterBytes | None:
-    """Both files of a safetensors adapter, each read once, the tensor data only if
-    `want_data(digest)`; None when they cannot be read this way (a .bin adapter, a
-    missing or short file): the caller then goes the whole way, which names the problem."""
-    try:
-        with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
-            config = f.read()
-        with open(os.path.join(path, ADAPTER_SAFETENSORS), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 0 <= n <= size - 8:
-                return None
-            header = f.read(n)
-            if len(header) != n:
-                return None
-            digest = recipe_digest(size, config, header)
-            data = None
-            if want_data(digest):
-                data = bytearray(size - 8 - n)
-                if f.readinto(data) != len(data):
-                    return None
-    except OSError:
-        return None
-    return AdapterBytes(digest, header, data)
+from vllm_tpu_lora.lora.peft_loader import PlainSlice, safetensors_dtype
 
 
 class _Copy(NamedTuple):
@@ -102,9 +60,11 @@ def build_plan(slices: list[PlainSlice], header: dict, layout: list[tuple]) -> C
              if not by_input}
     copies = []
     for s in slices:
-        parts = ([(s.target.slice, 0, s.target.out_features)] if s.target.slice >= 0 else
-                 [(i, sum(s.target.sizes[:i]), size) for i, size in enumerate(s.target.sizes)])
-        for slice_index, row_offset, _ in parts:
+        # (slice, first row of B): a module packed in the checkpoint spreads its B's rows
+        # over its slices, each with the whole A.
+        parts = ([(s.target.slice, 0)] if s.target.slice >= 0 else
+                 [(i, sum(s.target.sizes[:i])) for i in range(len(s.target.sizes))])
+        for slice_index, row_offset in parts:
             j = place.get((s.target.module, slice_index))
             if j is None:
                 return None

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from vllm_tpu_lora import platform
-from vllm_tpu_lora.lora.copy_plan import AdapterBytes, CopyPlan, build_plan, read_adapter_bytes
+from vllm_tpu_lora.lora.copy_plan import CopyPlan, build_plan
 from vllm_tpu_lora.lora.layers import LoRALinear
 from vllm_tpu_lora.lora.peft_loader import (
+    AdapterBytes,
     LoRAModel,
     LoRASliceWeights,
     header_digest,
@@ -37,6 +38,7 @@ from vllm_tpu_lora.lora.peft_loader import (
     model_targets,
     plain_slices,
     raise_if_not_finite,
+    read_adapter_bytes,
 )
 from vllm_tpu_lora.lora.registry import AdapterRegistry
 from vllm_tpu_lora.lora.request import LoRARequest

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -168,30 +169,47 @@ def header_digest(path: str) -> bytes | None:
     """A digest of everything a header-only validation reads: adapter_config.json, the
     safetensors header (names, dtypes, shapes, offsets) and the file's size (the header's
     offsets are checked against it), not the tensor data. Adapters trained with one recipe
-    share it, so it keys a memo of validations passed. None when the files cannot be read
-    this way (a .bin adapter, a missing or short file): the caller then validates in full,
-    which names the problem."""
-    st_path = os.path.join(path, ADAPTER_SAFETENSORS)
+    share it, so it keys a memo of validations passed (and the loader's copy plans). None
+    when the files cannot be read this way (a .bin adapter, a missing or short file): the
+    caller then validates in full, which names the problem."""
+    files = read_adapter_bytes(path)
+    return None if files is None else files.digest
+
+
+class AdapterBytes(NamedTuple):
+    """An adapter's files as read once: their header_digest, and the safetensors data."""
+    digest: bytes
+    header: bytes  # the safetensors JSON header
+    data: bytearray | None  # the tensor data that follows it (None: not wanted)
+
+
+def read_adapter_bytes(path: str, want_data: Callable[[bytes], bool] = lambda digest: False
+                       ) -> AdapterBytes | None:
+    """Both files of a safetensors adapter, each read once, the tensor data only if
+    `want_data(digest)`; None as for header_digest."""
     try:
         with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
             config = f.read()
-        with open(st_path, "rb") as f:
+        with open(os.path.join(path, ADAPTER_SAFETENSORS), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             # A header longer than safetensors' own 100 MB limit: let validation say so.
-            header = f.read(n) if 0 <= n <= 100_000_000 else b""
+            if not 0 <= n <= min(size - 8, 100_000_000):
+                return None
+            header = f.read(n)
+            if len(header) != n:
+                return None
+            digest = hashlib.blake2b(b"%d %d\0" % (size, len(config)) + config + header,
+                                     digest_size=32).digest()
+            data = None
+            if want_data(digest):
+                data = bytearray(size - 8 - n)
+                if f.readinto(data) != len(data):
+                    return None
     except OSError:
         return None
-    if len(header) != n:
-        return None
-    return recipe_digest(size, config, header)
-
-
-def recipe_digest(size: int, config: bytes, header: bytes) -> bytes:
-    """header_digest's formula, for a caller that has read the bytes itself."""
-    return hashlib.blake2b(b"%d %d\0" % (size, len(config)) + config + header,
-                           digest_size=32).digest()
+    return AdapterBytes(digest, header, data)
 
 
 class PlainSlice(NamedTuple):

@@ -36,11 +36,6 @@ from vllm_tpu_lora.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
-# Reads queued at once for the background loader when the engine does not say (it passes
-# max_loras: the most adapters one admission can start). One thread does the reads: more
-# would only compete with the step for the host's cores.
-MAX_LOADS_IN_FLIGHT = 2
-
 # Process-wide, never reused: the prefix cache keys KV blocks by (id, weights version), and
 # an adapter removed and added again under the same id may bring other weights.
 _weights_versions = itertools.count(1)
@@ -79,11 +74,12 @@ class AdapterEntry:
 class AdapterRegistry:
     def __init__(self, *, max_cpu_loras: int, validate: Callable[[LoRARequest], None],
                  load: Callable[[LoRARequest], Any],
-                 on_weights_changed: Callable[[int], None],
-                 max_loads_in_flight: int = MAX_LOADS_IN_FLIGHT) -> None:
+                 on_weights_changed: Callable[[int], None], max_loads_in_flight: int) -> None:
         """validate(request) raises ValueError for a bad adapter without reading tensor data;
         load(request) returns the host copy (runs in the loader thread: must not touch
-        engine state); on_weights_changed(lora_id) frees the adapter's device slot."""
+        engine state); on_weights_changed(lora_id) frees the adapter's device slot;
+        max_loads_in_flight: reads queued at once (the manager passes max_loras, the most
+        adapters one admission can start)."""
         self.max_cpu_loras = max_cpu_loras
         self.max_loads_in_flight = max_loads_in_flight
         self._validate, self._load, self._on_weights_changed = validate, load, on_weights_changed
@@ -257,6 +253,7 @@ class AdapterRegistry:
             wait(futures, timeout=timeout, return_when=ALL_COMPLETED if every else FIRST_COMPLETED)
 
     def _pool(self) -> ThreadPoolExecutor:
+        # One thread does the reads: more would only compete with the step for the cores.
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-loader",
                                                 initializer=_lower_priority)
