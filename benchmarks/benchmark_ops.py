@@ -254,10 +254,13 @@ def packed_rows(args) -> list[dict]:
             variants.update({f"grouped_b{b}": ("grouped", b) for b in args.blocks})
             if s > 1 and t >= SPLIT_FROM_TOKENS:
                 variants["split"] = ("split", None)
+            if s > 1:  # the buffers hold max(--slots) slots: every one is read
+                variants["slots"] = ("slots", None)
             runs = {}
             for name, (strategy, block) in variants.items():
                 punica = PunicaWrapper("xla", fuse_slices=True)
                 punica.force_strategy, punica.force_block = strategy, block
+                punica.max_loras = max(args.slots)
                 graph_s = s
                 if strategy == "split":  # S of a split graph counts the heavy adapters
                     graph_s = punica.graph_slots(pos, s, slot_buckets(max(args.slots)))

@@ -67,3 +67,15 @@ def test_tpu_kernel_script_runs_without_torch():
     (bench,) = [r for r in rows if r["part"] == "bench"]
     for name in ("base_matmul", "pallas", "ragged_dot", "onehot", "gathered"):
         assert bench[f"{name}_ms"] > 0, bench
+
+
+def test_replay_buckets_small_replays_slots_and_fallback_graphs():
+    """The per-bucket replay runs on the engine's own captured graphs: the 64-token bucket
+    over both slots has a slots graph and a fallback graph, and replaying them compiles
+    nothing."""
+    import replay_buckets
+
+    rows = {r["T"]: r for r in replay_buckets.main(["--small"])}
+    assert rows[16]["strategy"] != "slots" and "fallback_ms" not in rows[16]
+    assert rows[64]["strategy"] == "slots" and rows[64]["fallback_strategy"] == "split"
+    assert all(r["lora_ms"] > 0 and r["compilations_after_warmup"] == 0 for r in rows.values())

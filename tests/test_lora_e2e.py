@@ -71,6 +71,32 @@ def test_mixed_adapter_batch_matches_peft(request, model, backend):
     _assert_matches_peft(llm, base_dir, adapters, prompts, picks)
 
 
+def test_slots_strategy_and_its_fallback_match_peft(llama_dir, llama_adapters):
+    """64-token buckets over all 4 device slots run the xla "slots" strategy (each slot's
+    rows times its buffers as they lie) when every adapter's tokens fit a slot's rows, and
+    the bucket's fallback graph when one adapter's prefill is larger: both equal PEFT, and
+    neither compiles after warm-up."""
+    llm = LLM(llama_dir, enable_lora=True, max_loras=4, max_lora_rank=16, max_num_seqs=8,
+              max_num_batched_tokens=64, max_model_len=256)
+    punica, kinds = llm.llm_engine.runner.punica, []
+    plan_step = punica.plan_step
+
+    def spy(token_pos, *args, **kwargs):
+        plan = plan_step(token_pos, *args, **kwargs)
+        if token_pos.shape[0] == 64 and plan:
+            kinds.append("slots" if "slot_perm" in plan else "fallback")
+        return plan
+
+    punica.plan_step = spy
+    rng = np.random.default_rng(11)
+    names = list(llama_adapters)
+    # First call: one 40-token prompt over a slot's 2*64/4 = 32 rows; second: 14 each.
+    for lengths in ([40, 8, 8, 6], [14, 14, 14, 14]):
+        prompts = [rng.integers(3, 500, size=n).tolist() for n in lengths]
+        _assert_matches_peft(llm, llama_dir, llama_adapters, prompts, names)
+    assert "slots" in kinds and "fallback" in kinds, kinds
+
+
 def test_slot_pressure_evicts_and_reloads(llama_dir, tmp_path_factory):
     specs = {f"a{i}": dict(r=8, seed=10 + i, init_std=0.05) for i in range(6)}
     adapters = _make_adapters(llama_dir, tmp_path_factory, specs)

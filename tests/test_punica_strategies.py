@@ -19,7 +19,8 @@ MAX_LORAS, RANK, DIM, SLICES = 20, 8, 64, [64, 32, 32]
 @pytest.mark.parametrize("strategy,num_slots,num_tokens,dim", [
     ("single", 1, 16, DIM), ("onehot", 4, 16, DIM), ("gathered", 8, 32, DIM),
     ("gathered", 16, 64, DIM), ("gathered", 8, 32, 40),  # 40: no 32-wide reduce chunks
-    ("grouped", 16, 64, DIM), ("grouped", 8, 256, DIM)])
+    ("grouped", 16, 64, DIM), ("grouped", 8, 256, DIM), ("slots", 8, 32, DIM),
+    ("slots", 16, 64, 40)])
 def test_strategy_matches_reference(strategy, num_slots, num_tokens, dim):
     rng = np.random.default_rng(num_slots * 100 + num_tokens)
     gen = torch.Generator().manual_seed(num_tokens)
@@ -32,7 +33,9 @@ def test_strategy_matches_reference(strategy, num_slots, num_tokens, dim):
     y0 = torch.randn(num_tokens, sum(SLICES), generator=gen)
 
     punica = PunicaWrapper("xla", fuse_slices=True)
-    punica.force_strategy = strategy
+    punica.force_strategy, punica.max_loras = strategy, MAX_LORAS
+    if strategy == "slots":  # the step must fit its slots' rows (else: the fallback graph)
+        assert step_layout.slots_fit(token_pos, num_slots)
     _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_b, x, y0)
 
 
@@ -78,3 +81,36 @@ def _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_
         expected = bgmv_expand_slice_ref(ys, b, idx, expected, offset, size)
         offset += size
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens,fits", [(64, True), (64, False), (128, False)])
+def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
+    """A slots bucket (S above half the device slots, T >= 64): a step whose adapters fit
+    a slot's C = 2T/S rows reads the buffers in place; one where an adapter has more tokens
+    runs the bucket's fallback graph (gathered at T=64, split at T=128, whose heavy bucket
+    graph_slots picks). The runner and the plan agree on which, and both are exact."""
+    rng = np.random.default_rng(num_tokens + fits)
+    gen = torch.Generator().manual_seed(num_tokens * 3 + fits)
+    lora_a = [torch.randn(MAX_LORAS, RANK, DIM, generator=gen) for _ in SLICES]
+    lora_b = [torch.randn(MAX_LORAS, o, RANK, generator=gen) for o in SLICES]
+    num_active = 12
+    active = sorted(rng.choice(MAX_LORAS, size=num_active, replace=False).tolist())
+    if fits:  # an even spread with some base-model tokens
+        token_pos = (np.arange(num_tokens) % (num_active + 1) - 1).astype(np.int32)
+    else:  # one prefill chunk far over a slot's rows, a decode token for the others
+        token_pos = np.array(list(range(1, num_active)) + [-1]
+                             + [0] * (num_tokens - num_active), np.int32)
+    rng.shuffle(token_pos)
+
+    punica = PunicaWrapper("xla", fuse_slices=True)
+    punica.max_loras = MAX_LORAS
+    ladder = [0] + [2 ** i for i in range(5)]
+    num_slots = punica.graph_slots(token_pos, num_active, ladder)
+    plan = punica.plan_step(token_pos, active, num_slots, torch.float32)
+    assert ("slot_perm" in plan) == fits
+    if fits:
+        assert num_slots == 16 and punica.xla_strategy(num_tokens, num_slots) == "slots"
+    else:
+        assert not step_layout.slots_fit(token_pos, 16)
+    _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_b, x=torch.randn(
+        num_tokens, DIM, generator=gen), y0=torch.randn(num_tokens, sum(SLICES), generator=gen))

@@ -84,6 +84,7 @@ class LLMEngine:
         punica = PunicaWrapper(self.tp.lora_backend(lc.lora_backend) if self.tp else lc.lora_backend,
                                fuse_slices=self.tp is None)
         punica.slot_vectors = lc.enable_lora_bias or lc.enable_dora
+        punica.max_loras = lc.max_loras
         layers = wrap_lora_layers(model, punica, lc.max_loras, lc.max_lora_rank, lora_dtype,
                                   lc.target_modules, bias=lc.enable_lora_bias,
                                   dora=lc.enable_dora)

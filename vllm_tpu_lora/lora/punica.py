@@ -4,18 +4,25 @@ dispatch (vLLM's method names).
 Per step the runner asks `plan_step` for the step's host arrays (numpy, built once per
 step, see lora/step_layout.py), uploads them, and hands them to `set_step` with the step's
 LoRA-slot bucket S. S is the only Python-level value and it is part of the graph key:
-S = 0 traces no LoRA op at all, and the cost of the LoRA ops grows with S, not max_loras.
+S = 0 traces no LoRA op at all, and the cost of the LoRA ops grows with S, not max_loras
+(except the "slots" graphs below, used only where S is above half of max_loras).
 
 Single device (`fuse_slices`): every op indexes the full stacked buffers
 `lora_a[max_loras, R, D]` / `lora_b[max_loras, O, R]` by device slot, and a packed layer
-(qkv, gate_up) shrinks once over its slices' concatenated A (vLLM's fused slices) and
-scatters its concatenated deltas back once:
-  - xla, per graph (T, S) by measurement (lora/step_layout.py): S = 1 a plain
+(qkv, gate_up) shrinks once over its slices' concatenated A (vLLM's fused slices; the
+slots strategy instead runs one matmul per slice, as concatenating would copy every
+slot's weights) and scatters its concatenated deltas back once:
+  - xla, per graph (T, S) by measurement (lora/step_layout.py): from 64 tokens, where S
+    is above half of max_loras, "slots": each adapter's tokens in its own device slot's
+    rows, one batched matmul per slice over the buffers as they lie (every slot's weights
+    read once, none copied), with the bucket's other strategy as a second graph for the
+    steps whose adapters do not fit a slot's rows. Otherwise: S = 1 a plain
     `x @ A[slot].T`; small buckets with many adapters gather each token's weights by
     slot (bgmv, FLOPs T*R*(D+O) for any S); otherwise one dense product with the S active
-    adapters selected by a [T, S] one-hot, or, for the largest buckets with many
-    adapters, a grouped matmul on the step's segment layout (tokens grouped by adapter,
-    runs padded to a token block B): FLOPs T_pad*R*(D+O), T_pad <= T + S*(B-1).
+    adapters selected by a [T, S] one-hot, from 64 tokens "split": that one-hot over
+    the adapters with many tokens plus a gathered bgmv over the rows of the rest. (A
+    grouped matmul on the step's segment layout, tokens grouped by adapter and runs
+    padded to a token block B, FLOPs T_pad*R*(D+O), is there when forced.)
   - pallas: the Pallas kernels on the segment layout, the block -> slot map scalar-
     prefetched, so each block's BlockSpec fetches its adapter straight from the buffers.
 Tensor parallel: per-slice ops on the active slots' weights, so each slice stays sharded
@@ -40,6 +47,7 @@ class PunicaWrapper:
         # xla backend: None picks per graph (xla_strategy); benchmarks force one.
         self.force_strategy: str | None = None
         self.force_block: int | None = None
+        self.max_loras = 0  # device slots: the slots strategy reads all of them
         self.num_active_slots = 0  # the slot bucket S of the graph being traced
         # Some layers hold per-slot vectors (LoRA bias, DoRA): every step then also carries
         # each token's device slot, whatever the strategy (see slot_rows).
@@ -53,20 +61,27 @@ class PunicaWrapper:
     # ---- per step ----
 
     def plan_step(self, token_pos: np.ndarray, active_slots: list[int], num_slots: int,
-                  dtype: torch.dtype) -> dict[str, np.ndarray]:
+                  dtype: torch.dtype, fallback: bool = False) -> dict[str, np.ndarray]:
         """Host arrays for a step of slot bucket `num_slots`: token_pos [T] is each token's
-        position in `active_slots` (-1: base model or padding)."""
+        position in `active_slots` (-1: base model or padding). fallback: plan a slots
+        bucket's fallback graph even if the step fits (warm-up traces both)."""
         if num_slots == 0:
             return {}
-        arrays = self.plan_strategy(token_pos, active_slots, num_slots, dtype)
+        arrays = self.plan_strategy(token_pos, active_slots, num_slots, dtype, fallback)
         if self.slot_vectors:
             arrays.update(step_layout.token_slot_layout(token_pos, active_slots))
         return arrays
 
     def plan_strategy(self, token_pos: np.ndarray, active_slots: list[int], num_slots: int,
-                      dtype: torch.dtype) -> dict[str, np.ndarray]:
-        """The arrays the graph's LoRA strategy reads (host side, once per step)."""
+                      dtype: torch.dtype, fallback: bool = False) -> dict[str, np.ndarray]:
+        """The arrays the graph's LoRA strategy reads (host side, once per step). A slots
+        graph and its fallback differ in these arrays, so each has its own graph key."""
         strategy = self.xla_strategy(token_pos.shape[0], num_slots) if self.fuse_slices else None
+        if strategy == "slots":
+            if not fallback and step_layout.slots_fit(token_pos, num_slots):
+                return step_layout.slots_layout(token_pos, active_slots, num_slots,
+                                                self.max_loras)
+            strategy = step_layout.fallback_strategy(token_pos.shape[0], num_slots)
         if strategy == "single":  # each strategy uploads only the arrays its graph reads
             return step_layout.single_slot_layout(token_pos, active_slots)
         if strategy == "grouped":
@@ -91,7 +106,10 @@ class PunicaWrapper:
         if num_active == 0:
             return 0
         s = buckets.pick(ladder, num_active)
-        if not self.fuse_slices or self.xla_strategy(token_pos.shape[0], s) != "split":
+        strategy = self.xla_strategy(token_pos.shape[0], s) if self.fuse_slices else None
+        if strategy == "slots" and not step_layout.slots_fit(token_pos, s):
+            strategy = step_layout.fallback_strategy(token_pos.shape[0], s)
+        if strategy != "split":
             return s
         heavy, _ = step_layout.heavy_positions(token_pos, num_active)
         return buckets.pick(ladder, max(2, len(heavy)))
@@ -102,7 +120,19 @@ class PunicaWrapper:
             return None
         if self.force_strategy is not None:
             return self.force_strategy
-        return step_layout.xla_strategy(num_tokens, num_slots)
+        return step_layout.xla_strategy(num_tokens, num_slots, self.max_loras)
+
+    def graph_strategy(self, num_tokens: int) -> str | None:
+        """The strategy of the graph being traced: a slots bucket's step arrays say whether
+        it is the slots graph or its fallback."""
+        strategy = self.xla_strategy(num_tokens, self.num_active_slots)
+        if strategy == "slots" and "slot_perm" not in self.step:
+            return step_layout.fallback_strategy(num_tokens, self.num_active_slots)
+        return strategy
+
+    def fallback_graph(self, num_tokens: int, num_slots: int) -> bool:
+        """Whether bucket (T, S) has a fallback graph besides its own (warm-up traces it)."""
+        return self.fuse_slices and self.xla_strategy(num_tokens, num_slots) == "slots"
 
     def token_block(self, dtype: torch.dtype) -> int:
         """Token block B of the segment layout: the Pallas kernels' tile, or the xla grouped
@@ -143,7 +173,9 @@ class PunicaWrapper:
             return y
         if self.backend == "pallas":
             return self._pallas_linear(y, x, lora_a, lora_b, output_slices)
-        strategy = self.xla_strategy(x.shape[0], self.num_active_slots)
+        strategy = self.graph_strategy(x.shape[0])
+        if strategy == "slots":
+            return self._slots_linear(y, x, lora_a, lora_b)
         if strategy == "single":
             return self._single_slot_linear(y, x, lora_a, lora_b)
         if strategy == "onehot":
@@ -162,6 +194,26 @@ class PunicaWrapper:
 
     # Each strategy is a shrink (x -> rank activations, in the strategy's own arrangement)
     # and an expand shared with the embedding LoRA, whose "shrink" is a row lookup.
+
+    def _slots_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
+        """Each device slot's rows times that slot's weights, as the buffers lie: one
+        batched matmul per slice reads every slot's A and B once (the slices are not
+        concatenated: that would copy every slot's weights). FLOPs N*C*R*(D+O) with
+        N*C <= 4T rows; padding rows are zero (slot buffers hold only finite values)."""
+        n, d = lora_a[0].shape[0], x.shape[1]
+        perm = self.step["slot_perm"]
+        rows = torch.cat([x, x.new_zeros(1, d)]).index_select(0, perm)
+        rows = rows.view(n, perm.shape[0] // n, d)
+        ys = [torch.einsum("ncd,nrd->ncr", rows, la.to(x.dtype)) for la in lora_a]
+        return self._slots_expand(y, ys, lora_b)
+
+    def _slots_expand(self, y, ys: list[torch.Tensor], lora_b) -> torch.Tensor:
+        """ys[i] [N, C, R] (slot rows) -> y + each token's concatenated deltas."""
+        z = torch.cat([torch.einsum("ncr,nor->nco", yi, lb.to(yi.dtype))
+                       for yi, lb in zip(ys, lora_b)], dim=2)
+        z = z.reshape(-1, z.shape[2])
+        z = torch.cat([z, z.new_zeros(1, z.shape[1])])  # the row of tokens without adapter
+        return y + z.index_select(0, self.step["slot_dest"]).to(y.dtype)
 
     def _single_slot_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
         a = torch.cat([la.index_select(0, self.step["slot"])[0] for la in lora_a],
@@ -263,7 +315,11 @@ class PunicaWrapper:
             layout = self._host_layout()
             return ops.segment_expand(_to_segments(xa, layout.perm, layout.row_valid), lora_b,
                                       layout, y, 0, y.shape[1], backend="pallas")
-        strategy = self.xla_strategy(y.shape[0], self.num_active_slots)
+        strategy = self.graph_strategy(y.shape[0])
+        if strategy == "slots":
+            perm = self.step["slot_perm"]
+            rows = torch.cat([xa, xa.new_zeros(1, rank)]).index_select(0, perm)
+            return self._slots_expand(y, [rows.view(n, perm.shape[0] // n, rank)], [lora_b])
         if strategy == "single":
             return self._single_expand(y, xa, [lora_b])
         if strategy == "onehot":

@@ -58,16 +58,42 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 #          S=16 onehot 58.7 | grouped B=16 63.3 | gathered 119 | split 34.2
 # In the engine (1,000-adapter benchmark shape) 16 adapters per step went from 0.82x of
 # 8 adapters to 1.0x.
+# Slots (first choice where it applies, else the strategies above as its fallback): each
+# adapter's tokens grouped into its own DEVICE slot's rows, so one batched matmul per slice
+# over the slot buffers as they lie reads every slot's weights exactly once, without a
+# copy: no per-token weight gather (gathered), no S-fold FLOPs (one-hot), no per-block
+# weight copy (grouped). It reads all max_loras slots, so it applies only where the
+# step's bucket is above half of them, and each slot holds C = 2T/S rows (2T to 4T rows in
+# all); a step with more tokens on one adapter runs the bucket's fallback graph (its own
+# arrays, so its own graph key; warm-up traces both). Measured in the engine, forward
+# graphs replayed with every slot in use (`benchmarks/replay_buckets.py`; LoRA ms over the
+# base graph, slots | the fallback):
+#   benchmark_lora shape, S = max_loras = 8:  T=64 5.1 | split 12.3;  T=128 7.3 | 15.2;
+#                                             T=256 10.9 | 20.1
+#   vs-PEFT shape (hidden 1024, 8 layers), S = max_loras = 16:  T=64 31.6 | gathered 35.5;
+#                                             T=256 87.2 | split 234;  T=512 98.7 | 311
+# Below 64 tokens it lost in the engine (T=16, S=8: +3.2-3.8 against gathered's +2.7-3.0;
+# T=32, S=16 at the vs-PEFT shape: 29-33 against 15-18), though an op-level replay of the
+# LoRA linears alone had it ahead: decode buckets keep gathered.
+SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
 GATHERED_UP_TO = ((8, 32), (16, 64))  # (min S, max T) pairs where gathered wins
 SPLIT_FROM_TOKENS = 64  # buckets from here run "split" (below)
 LIGHT_ROWS = 16  # rows of the split strategy's gathered part
 
 
-def xla_strategy(num_tokens: int, num_slots: int) -> str:
-    """The xla backend's LoRA strategy for graph (T, S): "single", "gathered", "onehot" or
-    "split" ("grouped" only when forced). In a split graph S counts the step's *heavy*
-    adapters only (see split_layout)."""
+def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0) -> str:
+    """The xla backend's LoRA strategy for graph (T, S): "slots" where it applies (its
+    steps that do not fit run `fallback_strategy`), else the fallback itself."""
+    if (num_slots >= 2 and 0 < max_loras < 2 * num_slots
+            and SPLIT_FROM_TOKENS <= num_tokens <= SLOTS_MAX_TOKENS):
+        return "slots"
+    return fallback_strategy(num_tokens, num_slots)
+
+
+def fallback_strategy(num_tokens: int, num_slots: int) -> str:
+    """"single", "gathered", "onehot" or "split" ("grouped" only when forced). In a split
+    graph S counts the step's *heavy* adapters only (see split_layout)."""
     if num_slots == 1:
         return "single"
     if any(num_slots >= s and num_tokens <= t for s, t in GATHERED_UP_TO):
@@ -148,6 +174,36 @@ def segment_layout(token_pos: np.ndarray, active_slots: list[int], num_slots: in
     row_valid[dest[token_pos >= 0]] = True
     return {"perm": perm, "dest": dest, "token_valid": token_pos >= 0, "row_valid": row_valid,
             "block_slot": block_slot}
+
+
+def slot_capacity(num_tokens: int, num_slots: int) -> int:
+    """Rows per device slot in a slots graph (T, S): twice an even share."""
+    return max(1, -(-2 * num_tokens // num_slots))
+
+
+def slots_fit(token_pos: np.ndarray, num_slots: int) -> bool:
+    """Whether no adapter has more of the step's tokens than a slot's rows."""
+    used = token_pos[token_pos >= 0]
+    return used.size == 0 or np.bincount(used).max() <= slot_capacity(token_pos.size, num_slots)
+
+
+def slots_layout(token_pos: np.ndarray, active_slots: list[int], num_slots: int,
+                 max_loras: int) -> dict[str, np.ndarray]:
+    """The slots strategy (the step must fit, see slots_fit). Rows: C per device slot,
+    slot n's tokens in rows [n*C, n*C + count), in token order; row index T and token row
+    N*C are the zero rows each side appends:
+      slot_perm int32 [N*C]  token feeding each row (T: no token, a zero row)
+      slot_dest int32 [T]    row of each token (N*C: no adapter, a zero delta)"""
+    num_tokens = token_pos.size
+    cap = slot_capacity(num_tokens, num_slots)
+    perm = np.full(max_loras * cap, num_tokens, np.int32)
+    dest = np.full(num_tokens, max_loras * cap, np.int32)
+    for pos, slot in enumerate(active_slots):
+        tokens = np.flatnonzero(token_pos == pos)
+        rows = slot * cap + np.arange(tokens.size, dtype=np.int32)
+        perm[rows] = tokens
+        dest[tokens] = rows
+    return {"slot_perm": perm, "slot_dest": dest}
 
 
 def single_slot_layout(token_pos: np.ndarray, active_slots: list[int]) -> dict[str, np.ndarray]:

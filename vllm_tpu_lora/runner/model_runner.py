@@ -88,12 +88,12 @@ class ModelRunner:
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(x).to(self.device)
 
-    def _forward(self, a: StepArrays, num_slots: int) -> torch.Tensor:
+    def _forward(self, a: StepArrays, num_slots: int, fallback: bool = False) -> torch.Tensor:
         t = self._to_device
         lora = {}
         if self.punica is not None:
             plan = self.punica.plan_step(a.token_lora_idx, a.active_slots, num_slots,
-                                         self.dtype)
+                                         self.dtype, fallback)
             lora = {k: t(v) for k, v in plan.items()}
         meta = {name: t(getattr(a, name)) for name in _META_FIELDS}
         inputs = {name: t(getattr(a, name)) for name in ("input_ids", "positions",
@@ -188,17 +188,22 @@ class ModelRunner:
     def precompile(self) -> None:
         start = time.perf_counter()
         before = platform.compile_count()
-        n_fwd = len(self.token_ladder) * len(self.slot_ladder)
+        # A bucket whose LoRA strategy has a fallback graph (steps it does not fit) is
+        # traced twice.
+        forwards = [(t_b, s_b, fallback) for t_b in self.token_ladder for s_b in self.slot_ladder
+                    for fallback in (False, True)
+                    if not fallback or (self.punica is not None
+                                        and self.punica.fallback_graph(t_b, s_b))]
+        n_fwd = len(forwards)
         bar = tqdm(total=n_fwd + 2 * len(self.request_ladder), desc="Precompiling graphs",
                    unit="graph")
         if self.lora_manager is not None:  # also compiles the slot-write graph
             warm = self.lora_manager.warmup_adapter()
             for slot in range(self.lora_manager.max_loras):
                 self.lora_manager.write_slot(slot, warm)
-        for t_b in self.token_ladder:
-            for s_b in self.slot_ladder:
-                last = self._forward(self._dummy(t_b, self.request_ladder[0], s_b), s_b)
-                bar.update(1)
+        for t_b, s_b, fallback in forwards:
+            last = self._forward(self._dummy(t_b, self.request_ladder[0], s_b), s_b, fallback)
+            bar.update(1)
         for r_b in self.request_ladder:
             for greedy in (False, True):
                 self._sample(last, self._dummy(self.token_ladder[0], r_b, 0),
