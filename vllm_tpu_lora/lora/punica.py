@@ -76,12 +76,9 @@ class PunicaWrapper:
                       dtype: torch.dtype, fallback: bool = False) -> dict[str, np.ndarray]:
         """The arrays the graph's LoRA strategy reads (host side, once per step). A slots
         graph and its fallback differ in these arrays, so each has its own graph key."""
-        strategy = self.xla_strategy(token_pos.shape[0], num_slots) if self.fuse_slices else None
+        strategy = self.step_strategy(token_pos, num_slots, fallback)
         if strategy == "slots":
-            if not fallback and step_layout.slots_fit(token_pos, num_slots):
-                return step_layout.slots_layout(token_pos, active_slots, num_slots,
-                                                self.max_loras)
-            strategy = step_layout.fallback_strategy(token_pos.shape[0], num_slots)
+            return step_layout.slots_layout(token_pos, active_slots, num_slots, self.max_loras)
         if strategy == "single":  # each strategy uploads only the arrays its graph reads
             return step_layout.single_slot_layout(token_pos, active_slots)
         if strategy == "grouped":
@@ -106,10 +103,7 @@ class PunicaWrapper:
         if num_active == 0:
             return 0
         s = buckets.pick(ladder, num_active)
-        strategy = self.xla_strategy(token_pos.shape[0], s) if self.fuse_slices else None
-        if strategy == "slots" and not step_layout.slots_fit(token_pos, s):
-            strategy = step_layout.fallback_strategy(token_pos.shape[0], s)
-        if strategy != "split":
+        if self.step_strategy(token_pos, s) != "split":
             return s
         heavy, _ = step_layout.heavy_positions(token_pos, num_active)
         return buckets.pick(ladder, max(2, len(heavy)))
@@ -121,6 +115,18 @@ class PunicaWrapper:
         if self.force_strategy is not None:
             return self.force_strategy
         return step_layout.xla_strategy(num_tokens, num_slots, self.max_loras)
+
+    def step_strategy(self, token_pos: np.ndarray, num_slots: int,
+                      fallback: bool = False) -> str | None:
+        """The strategy a step runs in graph (T, S) (None: not the fused xla path): a slots
+        bucket's own graph if the step fits its slots' rows (and `fallback` is not asked
+        for), else that bucket's fallback graph."""
+        if not self.fuse_slices:
+            return None
+        strategy = self.xla_strategy(token_pos.shape[0], num_slots)
+        if strategy == "slots" and (fallback or not step_layout.slots_fit(token_pos, num_slots)):
+            return step_layout.fallback_strategy(token_pos.shape[0], num_slots)
+        return strategy
 
     def graph_strategy(self, num_tokens: int) -> str | None:
         """The strategy of the graph being traced: a slots bucket's step arrays say whether
@@ -200,12 +206,16 @@ class PunicaWrapper:
         batched matmul per slice reads every slot's A and B once (the slices are not
         concatenated: that would copy every slot's weights). FLOPs N*C*R*(D+O) with
         N*C <= 4T rows; padding rows are zero (slot buffers hold only finite values)."""
-        n, d = lora_a[0].shape[0], x.shape[1]
-        perm = self.step["slot_perm"]
-        rows = torch.cat([x, x.new_zeros(1, d)]).index_select(0, perm)
-        rows = rows.view(n, perm.shape[0] // n, d)
+        rows = self._to_slot_rows(x, lora_a[0].shape[0])
         ys = [torch.einsum("ncd,nrd->ncr", rows, la.to(x.dtype)) for la in lora_a]
         return self._slots_expand(y, ys, lora_b)
+
+    def _to_slot_rows(self, t: torch.Tensor, num_slots: int) -> torch.Tensor:
+        """Token-order rows [T, W] -> slot rows [N, C, W]; rows without a token are zero
+        (slot_perm points them at the zero row appended here)."""
+        perm = self.step["slot_perm"]
+        rows = torch.cat([t, t.new_zeros(1, t.shape[1])]).index_select(0, perm)
+        return rows.view(num_slots, perm.shape[0] // num_slots, t.shape[1])
 
     def _slots_expand(self, y, ys: list[torch.Tensor], lora_b) -> torch.Tensor:
         """ys[i] [N, C, R] (slot rows) -> y + each token's concatenated deltas."""
@@ -317,9 +327,7 @@ class PunicaWrapper:
                                       layout, y, 0, y.shape[1], backend="pallas")
         strategy = self.graph_strategy(y.shape[0])
         if strategy == "slots":
-            perm = self.step["slot_perm"]
-            rows = torch.cat([xa, xa.new_zeros(1, rank)]).index_select(0, perm)
-            return self._slots_expand(y, [rows.view(n, perm.shape[0] // n, rank)], [lora_b])
+            return self._slots_expand(y, [self._to_slot_rows(xa, n)], [lora_b])
         if strategy == "single":
             return self._single_expand(y, xa, [lora_b])
         if strategy == "onehot":
