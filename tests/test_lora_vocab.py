@@ -58,15 +58,21 @@ def _check(outs, expected, names, what):
         np.testing.assert_allclose(lps, exp.logprobs, atol=1e-4, rtol=0, err_msg=f"{what} {name}")
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_mixed_batch_with_embedding_and_lm_head_lora_matches_peft(setup, backend):
+# 64-token steps: the xla slots strategy's graphs (embedding LoRA, bias and DoRA included)
+@pytest.mark.parametrize("backend,batched_tokens", [("xla", 32), ("pallas", 32), ("xla", 64)])
+def test_mixed_batch_with_embedding_and_lm_head_lora_matches_peft(setup, backend,
+                                                                   batched_tokens):
     arch, model_dir, adapters, oracle = setup
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, 500, size=int(rng.integers(3, 40))).tolist() for _ in range(14)]
     names = [(None, *KINDS)[i % (len(KINDS) + 1)] for i in range(14)]
     expected = hf_greedy(oracle, prompts, MAX_NEW, adapter_names=names)
     # 6 adapters over 3 slots: adapters load, evict and come back during the run.
-    llm = LLM(model_dir, max_loras=3, lora_backend=backend, **ENGINE)
+    llm = LLM(model_dir, max_loras=3, lora_backend=backend,
+              **{**ENGINE, "max_num_batched_tokens": batched_tokens})
+    punica, slot_steps = llm.llm_engine.runner.punica, []
+    plan_step = punica.plan_step
+    punica.plan_step = lambda *a, **k: _note_slots(plan_step(*a, **k), slot_steps)
     reqs = _requests(adapters)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -81,6 +87,13 @@ def test_mixed_batch_with_embedding_and_lm_head_lora_matches_peft(setup, backend
     stats = llm.llm_engine.stats()
     assert stats["compilations_after_warmup"] == 0
     assert sum(a["slot_evictions"] for a in stats["loras"].values()) > 0
+    assert bool(slot_steps) == (backend == "xla" and batched_tokens == 64), len(slot_steps)
+
+
+def _note_slots(plan: dict, slot_steps: list) -> dict:
+    if "slot_perm" in plan:
+        slot_steps.append(plan)
+    return plan
 
 
 def test_refused_unless_targeted(setup):
