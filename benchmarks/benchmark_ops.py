@@ -209,13 +209,14 @@ def packed_main(argv: list[str]) -> None:
 
 def _packed_layers(dim: int, inter: int, kv: int, rank: int, slots: int, dev) -> list:
     """(in, [out slices], lora_a list, lora_b list, base weight [in, out]) for a Llama
-    layer's qkv, o, gate_up and down linears, LoRA buffers of `slots` slots."""
+    layer's qkv, o, gate_up and down linears, LoRA buffers of `slots` slots as the fused
+    xla path holds them ([slots, in, R] and [slots, R, out])."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(dim, [dim, kv, kv]), (dim, [dim]), (dim, [inter, inter]), (inter, [dim])]
     layers = []
     for d, outs in shapes:
-        a = [(torch.randn(slots, rank, d, generator=gen) * 0.05).to(dev) for _ in outs]
-        b = [(torch.randn(slots, o, rank, generator=gen) * 0.05).to(dev) for o in outs]
+        a = [(torch.randn(slots, d, rank, generator=gen) * 0.05).to(dev) for _ in outs]
+        b = [(torch.randn(slots, rank, o, generator=gen) * 0.05).to(dev) for o in outs]
         w = (torch.randn(d, sum(outs), generator=gen) * 0.05).to(dev)
         layers.append((d, outs, a, b, w))
     return layers

@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_throughput import add_model_args, apply_small, make_model  # noqa: E402
 
@@ -37,6 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--token-order", choices=["interleaved", "sorted", "both"],
+                   default="interleaved",
+                   help="adapters of consecutive tokens: cycling (warm-up's dummy step) or "
+                        "grouped by adapter, as the engine orders a step's requests")
     p.set_defaults(hidden=512, intermediate=1408, layers=4, heads=8, kv_heads=4,
                    prompt_len=[16, 64], output_len=[32, 32], max_num_seqs=16,
                    max_num_batched_tokens=256)
@@ -65,13 +71,20 @@ def main(argv=None) -> list[dict]:
             manager.write_slot(slot, warm)
         s_b = runner.slot_ladder[-1]
         for t_b in [t for t in args.tokens if t in runner.token_ladder]:
-            graphs = {"base": (0, False), "lora": (s_b, False)}
-            if runner.punica.fallback_graph(t_b, s_b):
-                graphs["fallback"] = (s_b, True)
+            graphs = {"base": (0, False, False)}
+            orders = ([False, True] if args.token_order == "both"
+                      else [args.token_order == "sorted"])
+            for srt in orders:
+                tag = "_sorted" if srt and len(orders) > 1 else ""
+                graphs["lora" + tag] = (s_b, False, srt)
+                if runner.punica.fallback_graph(t_b, s_b):
+                    graphs["fallback" + tag] = (s_b, True, srt)
             times = {name: [] for name in graphs}
             for _ in range(args.iters):  # interleaved: this host's speed drifts
-                for name, (s, fallback) in graphs.items():
+                for name, (s, fallback, srt) in graphs.items():
                     step = runner._dummy(t_b, runner.request_ladder[0], s)
+                    if srt:
+                        step.token_lora_idx[:] = np.sort(step.token_lora_idx)
                     t0 = time.perf_counter()
                     runner._forward(step, s, fallback)
                     platform.wait_device_ops()
@@ -81,9 +94,11 @@ def main(argv=None) -> list[dict]:
             row = {"name": "replayed_forward", "T": t_b, "S": s_b, "strategy": strategy,
                    **{f"{k}_ms": v for k, v in med.items()},
                    "lora_over_base_ms": med["lora"] - med["base"]}
-            if "fallback" in med:
-                row["fallback_strategy"] = step_layout.fallback_strategy(t_b, s_b)
-                row["fallback_over_base_ms"] = med["fallback"] - med["base"]
+            for name in med:
+                if name.startswith("fallback"):
+                    row["fallback_strategy"] = step_layout.fallback_strategy(t_b, s_b)
+                if name != "base":
+                    row[f"{name}_over_base_ms"] = med[name] - med["base"]
             row["compilations_after_warmup"] = llm.llm_engine.stats()[
                 "compilations_after_warmup"]
             print(json.dumps(row), flush=True)

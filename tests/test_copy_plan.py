@@ -23,11 +23,15 @@ from vllm_tpu_lora.models.loader import load_model
 from vllm_tpu_lora.testing.factory import make_peft_adapter
 
 
-def _manager(model_dir: str, dtype=torch.float32, **flags) -> LoRAManager:
-    """A LoRA manager over our model on the host (loading touches no device buffer)."""
+def _manager(model_dir: str, dtype=torch.float32, transposed=True, **flags) -> LoRAManager:
+    """A LoRA manager over our model on the host (loading touches no device buffer), its
+    slots transposed as the fused xla path holds them, or as PEFT's (tensor parallel and
+    Pallas)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         model = load_model(model_dir, json.load(f), 16, torch.float32)
-    layers = wrap_lora_layers(model, PunicaWrapper("xla", fuse_slices=True), 2, 16, dtype,
+    punica = PunicaWrapper("xla", fuse_slices=transposed)
+    assert punica.weights_transposed == transposed
+    layers = wrap_lora_layers(model, punica, 2, 16, dtype,
                               bias=flags.get("allow_bias", False),
                               dora=flags.get("allow_dora", False))
     return LoRAManager(model, layers, max_loras=2, max_lora_rank=16, max_cpu_loras=2,
@@ -69,10 +73,12 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(RECIPES))
-def test_plan_image_equals_the_whole_way(llama_dir, tmp_path, whole_way_calls, case):
+@pytest.mark.parametrize("case,transposed", [(c, True) for c in sorted(RECIPES)]
+                         + [("patterns", False), ("bf16_files", False)])
+def test_plan_image_equals_the_whole_way(llama_dir, tmp_path, whole_way_calls, case,
+                                         transposed):
     kwargs, dtype, bf16_files = RECIPES[case]
-    m = _manager(llama_dir, dtype)
+    m = _manager(llama_dir, dtype, transposed)
     reqs = []
     for i in range(3):
         path = make_peft_adapter(llama_dir, str(tmp_path / f"a{i}"), seed=i, init_std=0.05,

@@ -72,8 +72,11 @@ def _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_
     dev = platform.xla_device()
     plan = punica.plan_step(token_pos, active, num_slots, torch.float32)
     punica.set_step(num_slots, {k: torch.from_numpy(v).to(dev) for k, v in plan.items()})
-    got = punica.add_lora_linear(y0.to(dev), x.to(dev), [a.to(dev) for a in lora_a],
-                                 [b.to(dev) for b in lora_b], SLICES).cpu()
+    assert punica.weights_transposed  # the fused xla path reads [N, D, R] / [N, R, O]
+    got = punica.add_lora_linear(y0.to(dev), x.to(dev),
+                                 [a.transpose(1, 2).contiguous().to(dev) for a in lora_a],
+                                 [b.transpose(1, 2).contiguous().to(dev) for b in lora_b],
+                                 SLICES).cpu()
     idx = torch.tensor([active[p] if p >= 0 else -1 for p in token_pos])
     expected, offset = y0.clone(), 0
     for a, b, size in zip(lora_a, lora_b, SLICES):

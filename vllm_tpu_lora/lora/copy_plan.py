@@ -27,6 +27,7 @@ class _Copy(NamedTuple):
     dtype: torch.dtype  # the file's dtype
     shape: tuple[int, int]  # [r, in] (A) or [out rows of this slice, r] (B)
     view: int  # index of the destination among the slot image's views
+    transposed: bool  # the destination holds it transposed: A [in, R], B [R, out]
     row_offset: int  # first row of the file tensor that goes there (B of a packed module)
     scale: float | None  # B: the module's scale, folded in (float32, as the whole way)
 
@@ -45,19 +46,25 @@ class CopyPlan:
                                    offset=c.start).view(rows, cols)
             dest = views[c.view]
             # Through float32 as the whole way goes (it loads in float32, then casts).
-            if c.scale is None:  # A [r, in] into [max_rank, in]: the first r rows
-                dest[:rows] = src.float()
-            else:  # B [out, r] into [out, max_rank]: the first r columns
-                src = src[c.row_offset:c.row_offset + dest.shape[0]]
-                dest[:, :cols] = src.float() * c.scale
+            if c.scale is None:  # A [r, in]
+                by_rank = src.float()
+            else:  # B [out, r]: this slice's rows, scaled, as [r, out]
+                out = dest.shape[1] if c.transposed else dest.shape[0]
+                by_rank = (src[c.row_offset:c.row_offset + out].float() * c.scale).T
+            r = by_rank.shape[0]
+            if (c.scale is None) != c.transposed:  # the slot holds rank rows: A, B^T
+                dest[:r] = by_rank
+            else:  # rank columns: A^T, B
+                dest[:, :r] = by_rank.T
 
 
 def build_plan(slices: list[PlainSlice], header: dict, layout: list[tuple]) -> CopyPlan | None:
     """The plan for a recipe: `slices` (peft_loader.plain_slices), the parsed safetensors
     `header`, and the manager's slot layout [(module, slice, A shape, B shape, A by
-    input)], whose A/B views alternate in the slot image. None if a slice has no place."""
-    place = {(name, i): j for j, (name, i, *_rest, by_input) in enumerate(layout)
-             if not by_input}
+    input, B by rank)], whose A/B views alternate in the slot image. None if a slice has
+    no place. (Plain slices are linears only, whose A and B are transposed together.)"""
+    place = {(name, i): (j, by_input) for j, (name, i, *_rest, by_input, _by_rank)
+             in enumerate(layout)}
     copies = []
     for s in slices:
         # (slice, first row of B): a module packed in the checkpoint spreads its B's rows
@@ -65,14 +72,14 @@ def build_plan(slices: list[PlainSlice], header: dict, layout: list[tuple]) -> C
         parts = ([(s.target.slice, 0)] if s.target.slice >= 0 else
                  [(i, sum(s.target.sizes[:i])) for i in range(len(s.target.sizes))])
         for slice_index, row_offset in parts:
-            j = place.get((s.target.module, slice_index))
-            if j is None:
+            if (s.target.module, slice_index) not in place:
                 return None
+            j, transposed = place[(s.target.module, slice_index)]
             a, b = header[s.lora_a], header[s.lora_b]
             copies.append(_Copy(int(a["data_offsets"][0]), safetensors_dtype(a["dtype"]),
-                                tuple(a["shape"]), 2 * j, 0, None))
+                                tuple(a["shape"]), 2 * j, transposed, 0, None))
             copies.append(_Copy(int(b["data_offsets"][0]), safetensors_dtype(b["dtype"]),
-                                tuple(b["shape"]), 2 * j + 1, row_offset, s.scale))
+                                tuple(b["shape"]), 2 * j + 1, transposed, row_offset, s.scale))
     if any(math.prod(c.shape) == 0 for c in copies):
         return None
     return CopyPlan(copies)

@@ -4,7 +4,10 @@ and, when lora_target_modules names them, the token embedding and lm_head.
 Each wrapped layer owns preallocated stacked buffers, one pair per output slice:
 `lora_a[max_loras, max_rank, in]` and `lora_b[max_loras, out_slice, max_rank]`, zero
 padded to max_rank (the embedding keeps its A by token: `[max_loras, vocab, max_rank]`).
-Loading an adapter only writes data into a slot of these buffers.
+On the xla backend's fused path both are held transposed, `[max_loras, in, max_rank]` and
+`[max_loras, max_rank, out_slice]` (layer flags a_by_input / b_by_rank; see
+PunicaWrapper.weights_transposed). Loading an adapter only writes data into a slot of
+these buffers.
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ def module_allowed(name: str, target_modules) -> bool:
 
 
 class LoRALinear(nn.Module):
-    a_by_input = False  # lora_a slots are [R, in] (as PEFT's lora_A)
 
     def __init__(self, base: nn.Module, punica: PunicaWrapper, max_loras: int,
                  max_rank: int, dtype: torch.dtype, bias: bool = False,
@@ -54,11 +56,17 @@ class LoRALinear(nn.Module):
         self.punica = punica
         self.output_slices = list(getattr(base, "output_sizes", [base.out_features]))
         self.in_features = base.in_features
+        # Slots as PEFT's lora_A [R, in] / lora_B [out, R], or both transposed where the
+        # punica wrapper's ops read them so (see PunicaWrapper.weights_transposed).
+        self.a_by_input = self.b_by_rank = punica.weights_transposed
         for i, size in enumerate(self.output_slices):
-            self.register_buffer(f"lora_a_{i}", torch.zeros(max_loras, max_rank, self.in_features,
-                                                            dtype=dtype), persistent=False)
-            self.register_buffer(f"lora_b_{i}", torch.zeros(max_loras, size, max_rank,
-                                                            dtype=dtype), persistent=False)
+            a_shape = ((self.in_features, max_rank) if self.a_by_input
+                       else (max_rank, self.in_features))
+            b_shape = (max_rank, size) if self.b_by_rank else (size, max_rank)
+            self.register_buffer(f"lora_a_{i}", torch.zeros(max_loras, *a_shape, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer(f"lora_b_{i}", torch.zeros(max_loras, *b_shape, dtype=dtype),
+                                 persistent=False)
         out = sum(self.output_slices)
         self.vector_kinds = [k for k, on in (("bias", bias), ("dora", dora)) if on]
         for kind in self.vector_kinds:
@@ -126,13 +134,15 @@ class LoRALinear(nn.Module):
 
 class _VocabLoRA(nn.Module):
     """One adapted slice over a vocabulary-sized layer (embedding or lm_head): a single
-    A/B buffer pair, no per-slot vectors (DoRA / lora_bias are not served there)."""
+    A/B buffer pair, no per-slot vectors (DoRA / lora_bias are not served there). B is
+    [out, R], or [R, out] with `b_by_rank` (the embedding's, on the xla fused path)."""
 
     vector_kinds: list[str] = []
     lora_vectors: list[torch.Tensor] = []
 
     def __init__(self, base: nn.Module, punica: PunicaWrapper, in_features: int, out: int,
-                 a_shape: tuple[int, int], max_loras: int, dtype: torch.dtype) -> None:
+                 a_shape: tuple[int, int], max_loras: int, dtype: torch.dtype,
+                 b_by_rank: bool = False) -> None:
         super().__init__()
         self.base_layer = base
         self.punica = punica
@@ -140,7 +150,9 @@ class _VocabLoRA(nn.Module):
         self.register_buffer("lora_a_0", torch.zeros(max_loras, *a_shape, dtype=dtype),
                              persistent=False)
         rank = a_shape[1] if self.a_by_input else a_shape[0]
-        self.register_buffer("lora_b_0", torch.zeros(max_loras, out, rank, dtype=dtype),
+        self.b_by_rank = b_by_rank
+        b_shape = (rank, out) if b_by_rank else (out, rank)
+        self.register_buffer("lora_b_0", torch.zeros(max_loras, *b_shape, dtype=dtype),
                              persistent=False)
 
     @property
@@ -161,7 +173,8 @@ class LoRAEmbedding(_VocabLoRA):
     def __init__(self, base: nn.Embedding, punica: PunicaWrapper, max_loras: int,
                  max_rank: int, dtype: torch.dtype) -> None:
         vocab, hidden = base.weight.shape
-        super().__init__(base, punica, vocab, hidden, (vocab, max_rank), max_loras, dtype)
+        super().__init__(base, punica, vocab, hidden, (vocab, max_rank), max_loras, dtype,
+                         b_by_rank=punica.weights_transposed)
 
     @property
     def weight(self) -> torch.Tensor:  # tied lm_heads and the loader read it

@@ -88,9 +88,11 @@ class LoRAManager:
         # moves the model): what PEFT's saved copies of them are checked against.
         self._base_rows = _vocab_base_rows(model)
         self._shapes = [tuple(buf.shape[1:]) for buf in self.buffers]
-        # (module, slice, A slot shape, B slot shape, A held by input row) in that order:
-        # read by the loader thread, which must not touch the device buffers themselves.
-        self._layout = [(name, i, tuple(a.shape[1:]), tuple(b.shape[1:]), layer.a_by_input)
+        # (module, slice, A slot shape, B slot shape, A held by input row [in, R], B held
+        # by rank row [R, out]) in that order: read by the loader thread, which must not
+        # touch the device buffers themselves.
+        self._layout = [(name, i, tuple(a.shape[1:]), tuple(b.shape[1:]), layer.a_by_input,
+                         layer.b_by_rank)
                         for name, layer in layers.items()
                         for i, (a, b) in enumerate(zip(layer.lora_a, layer.lora_b))]
         self.registry = AdapterRegistry(max_cpu_loras=max_cpu_loras, validate=self._validate,
@@ -121,7 +123,8 @@ class LoRAManager:
         """(in_features, output slices) of the layers that run the bgmv kernels: the
         linears, and the embedding's expand (its shrink is a lookup, in_features None);
         lm_head's LoRA is a dense product in the logits graph."""
-        return [(None if layer.a_by_input else layer.in_features, list(layer.output_slices))
+        return [(layer.in_features if isinstance(layer, LoRALinear) else None,
+                 list(layer.output_slices))
                 for name, layer in self.layers.items() if name != "lm_head"]
 
     @property
@@ -313,17 +316,21 @@ class LoRAManager:
         flat = torch.zeros(self._flat_numel, dtype=self.dtype)
         views = _slot_views(flat, self._shapes)  # A, B, A, B, ... in _layout's order
         n_ab = 2 * len(self._layout)
-        for (name, i, _, _, by_input), a, b in zip(self._layout, views[0:n_ab:2],
-                                                   views[1:n_ab:2]):
+        for (name, i, _, _, by_input, by_rank), a, b in zip(self._layout, views[0:n_ab:2],
+                                                            views[1:n_ab:2]):
             slices = lora.modules.get(name) if lora is not None else None
             w = slices[i] if slices else None
             if w is not None:
                 r = w.lora_a.shape[0]
-                if by_input:  # the embedding's A, by token: [vocab, R]
+                if by_input:  # [in, R] (the embedding's by token: [vocab, R])
                     a[:, :r] = w.lora_a.T
                 else:
                     a[:r] = w.lora_a
-                b[:, :r] = w.lora_b.float() * w.scale  # scaled in float32, then cast
+                b_scaled = w.lora_b.float() * w.scale  # scaled in float32, then cast
+                if by_rank:
+                    b[:r] = b_scaled.T
+                else:
+                    b[:, :r] = b_scaled
         for (name, kind, sizes), row in zip(self._vector_layout, views[n_ab:]):
             slices = lora.modules.get(name) if lora is not None else None
             for i, (offset, size) in enumerate(zip(_offsets(sizes), sizes)):
@@ -413,11 +420,11 @@ class LoRAManager:
         """A random full-rank adapter on every layer, so warm-up traces real LoRA math."""
         gen = torch.Generator().manual_seed(0)
         modules: dict[str, list] = {}
-        for name, _, a_shape, b_shape, by_input in self._layout:
+        for name, _, a_shape, b_shape, by_input, by_rank in self._layout:
             a = torch.randn(a_shape, generator=gen) * 0.01
-            modules.setdefault(name, []).append(  # lora_a as PEFT's: [R, in]
-                LoRASliceWeights(a.T if by_input else a,
-                                 torch.randn(b_shape, generator=gen) * 0.01, 1.0))
+            b = torch.randn(b_shape, generator=gen) * 0.01
+            modules.setdefault(name, []).append(  # as PEFT's: lora_a [R, in], lora_b [out, R]
+                LoRASliceWeights(a.T if by_input else a, b.T if by_rank else b, 1.0))
         return self._host_adapter(LoRAModel("warmup", 0, "", self.max_rank, modules))
 
     def clear_all_slots(self) -> None:

@@ -7,8 +7,13 @@ LoRA-slot bucket S. S is the only Python-level value and it is part of the graph
 S = 0 traces no LoRA op at all, and the cost of the LoRA ops grows with S, not max_loras
 (except the "slots" graphs below, used only where S is above half of max_loras).
 
-Single device (`fuse_slices`): every op indexes the full stacked buffers
-`lora_a[max_loras, R, D]` / `lora_b[max_loras, O, R]` by device slot, and a packed layer
+Single device (`fuse_slices`): every op indexes the full stacked buffers by device slot,
+and on the xla backend they are held transposed, `lora_a[max_loras, D, R]` /
+`lora_b[max_loras, R, O]` (`weights_transposed`; the Pallas kernels and tensor parallelism
+keep PEFT's `[max_loras, R, D]` / `[max_loras, O, R]`): XLA CPU reduces a per-token
+product fastest over a non-minor axis, where the output's minor axis vectorises, and the
+batched and one-hot matmuls then read B with the rank axis first, as they contract it.
+A packed layer
 (qkv, gate_up) shrinks once over its slices' concatenated A (vLLM's fused slices; the
 slots strategy instead runs one matmul per slice, as concatenating would copy every
 slot's weights) and scatters its concatenated deltas back once:
@@ -57,6 +62,12 @@ class PunicaWrapper:
         self.step: dict[str, torch.Tensor] = {}
         self._layout = None
         self._ones = None
+
+    @property
+    def weights_transposed(self) -> bool:
+        """Slot buffers as [N, D, R] (A) and [N, R, O] (B): the xla backend's fused path.
+        The layers allocate, and the LoRA manager writes, their buffers this way."""
+        return self.backend == "xla" and self.fuse_slices
 
     # ---- per step ----
 
@@ -170,7 +181,9 @@ class PunicaWrapper:
                         lora_b: list[torch.Tensor], output_slices: list[int]) -> torch.Tensor:
         """Semantics: y[t] += concat_i(x[t] @ A_i[s].T @ B_i[s].T), s = slot of token t
         (scales are folded into B at load time); tokens without an adapter unchanged.
-        Shapes: y [T, sum(O_i)], x [T, D], lora_a[i] [N, R, D], lora_b[i] [N, O_i, R]."""
+        Shapes: y [T, sum(O_i)], x [T, D], lora_a[i] [N, R, D], lora_b[i] [N, O_i, R];
+        transposed (`weights_transposed`, the xla strategies below): lora_a[i] [N, D, R],
+        lora_b[i] [N, R, O_i]."""
         if not self.fuse_slices:
             offset = 0
             for a, b, size in zip(lora_a, lora_b, output_slices):
@@ -207,7 +220,7 @@ class PunicaWrapper:
         concatenated: that would copy every slot's weights). FLOPs N*C*R*(D+O) with
         N*C <= 4T rows; padding rows are zero (slot buffers hold only finite values)."""
         rows = self._to_slot_rows(x, lora_a[0].shape[0])
-        ys = [torch.einsum("ncd,nrd->ncr", rows, la.to(x.dtype)) for la in lora_a]
+        ys = [torch.einsum("ncd,ndr->ncr", rows, la.to(x.dtype)) for la in lora_a]
         return self._slots_expand(y, ys, lora_b)
 
     def _to_slot_rows(self, t: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -219,7 +232,7 @@ class PunicaWrapper:
 
     def _slots_expand(self, y, ys: list[torch.Tensor], lora_b) -> torch.Tensor:
         """ys[i] [N, C, R] (slot rows) -> y + each token's concatenated deltas."""
-        z = torch.cat([torch.einsum("ncr,nor->nco", yi, lb.to(yi.dtype))
+        z = torch.cat([torch.einsum("ncr,nro->nco", yi, lb.to(yi.dtype))
                        for yi, lb in zip(ys, lora_b)], dim=2)
         z = z.reshape(-1, z.shape[2])
         z = torch.cat([z, z.new_zeros(1, z.shape[1])])  # the row of tokens without adapter
@@ -227,13 +240,13 @@ class PunicaWrapper:
 
     def _single_slot_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
         a = torch.cat([la.index_select(0, self.step["slot"])[0] for la in lora_a],
-                      dim=0).to(x.dtype)
-        return self._single_expand(y, x @ a.T, lora_b)  # one shrink for every slice
+                      dim=1).to(x.dtype)
+        return self._single_expand(y, x @ a, lora_b)  # one shrink for every slice
 
     def _single_expand(self, y, xa, lora_b) -> torch.Tensor:
         """xa [T, n*R] in token order -> y + concat_i(xa_i @ B_i[slot].T), masked."""
-        slot, rank = self.step["slot"], lora_b[0].shape[2]
-        deltas = [xa[:, i * rank:(i + 1) * rank] @ lb.index_select(0, slot)[0].to(xa.dtype).T
+        slot, rank = self.step["slot"], lora_b[0].shape[1]
+        deltas = [xa[:, i * rank:(i + 1) * rank] @ lb.index_select(0, slot)[0].to(xa.dtype)
                   for i, lb in enumerate(lora_b)]
         return self._add_masked(y, torch.cat(deltas, dim=1))
 
@@ -247,27 +260,27 @@ class PunicaWrapper:
         product selected by a [T, S] one-hot: gather-free, FLOPs S*T*R*(D+O). Slot
         buffers hold only finite values (the loader rejects NaN/Inf, free slots are zero),
         so selecting by multiplication is exact."""
-        t, s = x.shape[0], self.num_active_slots
         a = torch.cat([la.index_select(0, self.step["active_slots"]) for la in lora_a],
-                      dim=1).to(x.dtype)
-        xa = (x @ a.reshape(-1, x.shape[1]).T).view(t, s, -1)
+                      dim=2).to(x.dtype)  # [S, D, n*R]
+        xa = torch.einsum("td,sdr->tsr", x, a)
         return self._onehot_expand(y, xa * self._onehot(x.dtype)[:, :, None], lora_b)
 
     def _onehot_expand(self, y, xa, lora_b) -> torch.Tensor:
         """xa [T, S, n*R], zero outside each token's own adapter -> y + its deltas."""
-        t, s, rank = xa.shape[0], xa.shape[1], lora_b[0].shape[2]
+        t, s, rank = xa.shape[0], xa.shape[1], lora_b[0].shape[1]
         deltas = []
         for i, lb in enumerate(lora_b):
-            b = lb.index_select(0, self.step["active_slots"]).to(xa.dtype)  # [S, O_i, R]
+            b = lb.index_select(0, self.step["active_slots"]).to(xa.dtype)  # [S, R, O_i]
             xi = xa[:, :, i * rank:(i + 1) * rank].reshape(t, s * rank)
-            deltas.append(xi @ b.permute(0, 2, 1).reshape(s * rank, b.shape[1]))
+            deltas.append(xi @ b.reshape(s * rank, b.shape[2]))
         return y + torch.cat(deltas, dim=1).to(y.dtype)
 
     def _gathered_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
         """bgmv: each token's own adapter weights gathered by its device slot, then per-token
-        matrix-vector products as multiply + sum (XLA CPU ran them 2-8x slower as batched
-        matmuls from 32 rows up). FLOPs T*R*(D+O) whatever S is, for a gather of T*R*(D+O)
-        weights: what wins for decode-sized buckets with many adapters."""
+        matrix-vector products as multiply + sum over a non-minor axis (XLA CPU ran them
+        2-8x slower as batched matmuls from 32 rows up). FLOPs T*R*(D+O) whatever S is,
+        for a gather of T*R*(D+O) weights: what wins for decode-sized buckets with many
+        adapters."""
         slot = self.step["token_slot"]
         return self._gathered_expand(y, _gathered_shrink(x, lora_a, slot), lora_b)
 
@@ -290,16 +303,15 @@ class PunicaWrapper:
     def _grouped_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
         perm, nb = self.step["perm"], self.step["block_slot"].shape[0]
         slot = self._block_slots()
-        a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=1).to(x.dtype)
+        a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=2).to(x.dtype)
         xs = x.index_select(0, perm).view(nb, perm.shape[0] // nb, x.shape[1])
-        return self._grouped_expand(y, torch.bmm(xs, a.transpose(1, 2)), lora_b)
+        return self._grouped_expand(y, torch.bmm(xs, a), lora_b)
 
     def _grouped_expand(self, y, ys, lora_b) -> torch.Tensor:
         """ys [NB, B, n*R] in segment order -> y + deltas scattered back to token order
         (padding rows are never read back)."""
-        slot, rank = self._block_slots(), lora_b[0].shape[2]
-        zs = [torch.bmm(ys[:, :, i * rank:(i + 1) * rank],
-                        lb.index_select(0, slot).to(ys.dtype).transpose(1, 2))
+        slot, rank = self._block_slots(), lora_b[0].shape[1]
+        zs = [torch.bmm(ys[:, :, i * rank:(i + 1) * rank], lb.index_select(0, slot).to(ys.dtype))
               for i, lb in enumerate(lora_b)]
         t_pad = ys.shape[0] * ys.shape[1]
         z = torch.cat(zs, dim=2).reshape(t_pad, -1).index_select(0, self.step["dest"])
@@ -311,8 +323,9 @@ class PunicaWrapper:
                            lora_b: torch.Tensor) -> torch.Tensor:
         """Semantics: y[t] += lora_b[s] @ lora_a[s, ids[t]], s = slot of token t (PEFT's
         lora_embedding_B @ lora_embedding_A[:, id], scale folded into B).
-        Shapes: y [T, H], ids [T], lora_a [N, V, R] (rows by token id), lora_b [N, H, R].
-        Needs slot_vectors (each token's device slot in the step)."""
+        Shapes: y [T, H], ids [T], lora_a [N, V, R] (rows by token id), lora_b [N, H, R]
+        ([N, R, H] where `weights_transposed`). Needs slot_vectors (each token's device
+        slot in the step)."""
         n, vocab, rank = lora_a.shape
         rows = self.step["token_slot"].to(torch.int64) * vocab + ids.to(torch.int64)
         xa = lora_a.reshape(n * vocab, rank).index_select(0, rows).to(y.dtype)
@@ -403,37 +416,29 @@ class PunicaWrapper:
                                   backend=self.backend)
 
 
-# XLA CPU splits a reduction over more than 32 elements into a reduce-window and a reduce
-# and then materialises the product feeding it ([T, n*R, D] floats per shrink). Summing
-# 32-element chunks first keeps the gather, the multiply and both sums in one fusion:
-# profiled (torch_xla profiler, 4-layer decode graph, 16 tokens over 8 adapters, two
-# interleaved runs each) the gathered LoRA ops went from 3.5-4.2 to 1.9-2.8 ms over the
-# base graph, with the expand below.
-_REDUCE_CHUNK = 32
+# Measured with the transposed buffers against PEFT's layout, in a chain of 4 layers' LoRA
+# linears (hidden 512, intermediate 1408, rank 16, distinct weights per layer; LoRA ms over
+# the base linears): T=16 S=8 1.7 vs 3.5, T=32 S=8 2.2 vs 5.8, T=32 S=16 2.6 vs 5.7, T=64
+# S=16 4.3 vs 11.7. Reducing over a non-minor axis vectorises along the output's minor
+# one; over the minor axis (PEFT's layout) each output was a scalar loop.
 
 
 def _gathered_shrink(x: torch.Tensor, lora_a: list[torch.Tensor],
                      slot: torch.Tensor) -> torch.Tensor:
-    """x [N, D], each row's device slot [N] -> xa [N, n*R] over the concatenated slices."""
-    a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=1).to(x.dtype)
-    rows, width, d = a.shape
-    if d % _REDUCE_CHUNK:
-        return (a * x[:, None, :]).sum(-1)
-    c = _REDUCE_CHUNK
-    return (a.view(rows, width, d // c, c) * x.view(rows, 1, d // c, c)).sum(-1).sum(-1)
+    """x [N, D], each row's device slot [N], lora_a[i] [L, D, R] -> xa [N, n*R] over the
+    concatenated slices."""
+    a = torch.cat([la.index_select(0, slot) for la in lora_a], dim=2).to(x.dtype)
+    return (a * x[:, :, None]).sum(1)
 
 
 def _gathered_deltas(xa: torch.Tensor, lora_b: list[torch.Tensor],
                      slot: torch.Tensor) -> torch.Tensor:
-    """xa [N, n*R] -> the concatenated slices' deltas [N, sum(O_i)], unmasked: one
-    gather-multiply-reduce over the slices' concatenated B, each output column against its
-    own slice's rank activations (XLA fuses the concatenations into it, so there are no
-    per-slice results to concatenate afterwards)."""
-    rank = lora_b[0].shape[2]
-    b = torch.cat([lb.index_select(0, slot) for lb in lora_b], dim=1).to(xa.dtype)
-    xs = torch.cat([xa[:, None, i * rank:(i + 1) * rank].expand(-1, lb.shape[1], -1)
-                    for i, lb in enumerate(lora_b)], dim=1)  # [N, sum(O_i), R]
-    return (b * xs).sum(-1)
+    """xa [N, n*R], lora_b[i] [L, R, O_i] -> the concatenated slices' deltas
+    [N, sum(O_i)], unmasked."""
+    rank = lora_b[0].shape[1]
+    return torch.cat([(lb.index_select(0, slot).to(xa.dtype)
+                       * xa[:, i * rank:(i + 1) * rank, None]).sum(1)
+                      for i, lb in enumerate(lora_b)], dim=1)
 
 
 def _to_segments(xa: torch.Tensor, perm: torch.Tensor, row_valid: torch.Tensor) -> torch.Tensor:

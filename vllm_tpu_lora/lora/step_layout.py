@@ -75,6 +75,15 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # Below 64 tokens it lost in the engine (T=16, S=8: +3.2-3.8 against gathered's +2.7-3.0;
 # T=32, S=16 at the vs-PEFT shape: 29-33 against 15-18), though an op-level replay of the
 # LoRA linears alone had it ahead: decode buckets keep gathered.
+# All of the above was measured with the slot buffers in PEFT's layout. With the xla
+# buffers transposed (A [D, R], B [R, O]: punica.weights_transposed) every strategy got
+# cheaper and the choice stayed: the engine's graphs replayed with each strategy forced,
+# interleaved in one process (LoRA ms over the base graph), benchmark_lora shape, S = 8:
+#   T=16 gathered 2.3 | slots 2.1 | onehot 4.3;  T=32 2.9 | 3.0 | 5.1;
+#   T=64 slots 3.6 | gathered 5.4 | onehot 6.9;  T=256 slots 8.0 | gathered 26 | onehot 18
+# (before: gathered +2.7 at T=16, +4.1 at T=32; slots +4.9 at T=64, +12.7 at T=256), and
+# at the vs-PEFT shape, S = 16: T=32 gathered 10.7 | slots 10.9 (before: 15-18 | 29-33);
+# T=256 slots 35 | gathered 138 (before: slots 87); T=512 slots 70-78 (before: 99).
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
 GATHERED_UP_TO = ((8, 32), (16, 64))  # (min S, max T) pairs where gathered wins
