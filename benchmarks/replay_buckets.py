@@ -92,8 +92,7 @@ def main(argv=None) -> list[dict]:
             med = {name: statistics.median(v) for name, v in times.items()}
             strategy = runner.punica.xla_strategy(t_b, s_b)
             row = {"name": "replayed_forward", "T": t_b, "S": s_b, "strategy": strategy,
-                   **{f"{k}_ms": v for k, v in med.items()},
-                   "lora_over_base_ms": med["lora"] - med["base"]}
+                   **{f"{k}_ms": v for k, v in med.items()}}
             for name in med:
                 if name.startswith("fallback"):
                     row["fallback_strategy"] = step_layout.fallback_strategy(t_b, s_b)

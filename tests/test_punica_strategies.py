@@ -18,7 +18,7 @@ MAX_LORAS, RANK, DIM, SLICES = 20, 8, 64, [64, 32, 32]
 
 @pytest.mark.parametrize("strategy,num_slots,num_tokens,dim", [
     ("single", 1, 16, DIM), ("onehot", 4, 16, DIM), ("gathered", 8, 32, DIM),
-    ("gathered", 16, 64, DIM), ("gathered", 8, 32, 40),  # 40: no 32-wide reduce chunks
+    ("gathered", 16, 64, DIM), ("gathered", 8, 32, 40),  # 40: not a multiple of the vector width
     ("grouped", 16, 64, DIM), ("grouped", 8, 256, DIM), ("slots", 8, 32, DIM),
     ("slots", 16, 64, 40)])
 def test_strategy_matches_reference(strategy, num_slots, num_tokens, dim):

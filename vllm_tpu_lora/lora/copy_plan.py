@@ -27,7 +27,7 @@ class _Copy(NamedTuple):
     dtype: torch.dtype  # the file's dtype
     shape: tuple[int, int]  # [r, in] (A) or [out rows of this slice, r] (B)
     view: int  # index of the destination among the slot image's views
-    transposed: bool  # the destination holds it transposed: A [in, R], B [R, out]
+    rank_first: bool  # the destination's first axis is the rank (see rank_rows)
     row_offset: int  # first row of the file tensor that goes there (B of a packed module)
     scale: float | None  # B: the module's scale, folded in (float32, as the whole way)
 
@@ -44,27 +44,29 @@ class CopyPlan:
             rows, cols = c.shape
             src = torch.frombuffer(data, dtype=c.dtype, count=rows * cols,
                                    offset=c.start).view(rows, cols)
-            dest = views[c.view]
+            slot = rank_rows(views[c.view], c.rank_first)  # [max_rank, in or out]
             # Through float32 as the whole way goes (it loads in float32, then casts).
-            if c.scale is None:  # A [r, in]
-                by_rank = src.float()
-            else:  # B [out, r]: this slice's rows, scaled, as [r, out]
-                out = dest.shape[1] if c.transposed else dest.shape[0]
-                by_rank = (src[c.row_offset:c.row_offset + out].float() * c.scale).T
-            r = by_rank.shape[0]
-            if (c.scale is None) != c.transposed:  # the slot holds rank rows: A, B^T
-                dest[:r] = by_rank
-            else:  # rank columns: A^T, B
-                dest[:, :r] = by_rank.T
+            if c.scale is None:  # A [r, in]: the first r rank rows
+                slot[:rows] = src.float()
+            else:  # B [out, r]: this slice's rows, scaled, into the first r rank rows
+                out = src[c.row_offset:c.row_offset + slot.shape[1]]
+                slot[:cols] = (out.float() * c.scale).T
+
+
+def rank_rows(view: torch.Tensor, rank_first: bool) -> torch.Tensor:
+    """A slot's A or B view with the rank as its first axis: the view itself where the
+    slot holds it so (PEFT's A [R, in]; B transposed, [R, out]), else its transpose (A by
+    input [in, R]; PEFT's B [out, R]). Writing rank row k writes the slot's rank k."""
+    return view if rank_first else view.T
 
 
 def build_plan(slices: list[PlainSlice], header: dict, layout: list[tuple]) -> CopyPlan | None:
     """The plan for a recipe: `slices` (peft_loader.plain_slices), the parsed safetensors
     `header`, and the manager's slot layout [(module, slice, A shape, B shape, A by
     input, B by rank)], whose A/B views alternate in the slot image. None if a slice has
-    no place. (Plain slices are linears only, whose A and B are transposed together.)"""
-    place = {(name, i): (j, by_input) for j, (name, i, *_rest, by_input, _by_rank)
-             in enumerate(layout)}
+    no place."""
+    place = {(name, i): (j, by_input, by_rank)
+             for j, (name, i, *_rest, by_input, by_rank) in enumerate(layout)}
     copies = []
     for s in slices:
         # (slice, first row of B): a module packed in the checkpoint spreads its B's rows
@@ -74,12 +76,12 @@ def build_plan(slices: list[PlainSlice], header: dict, layout: list[tuple]) -> C
         for slice_index, row_offset in parts:
             if (s.target.module, slice_index) not in place:
                 return None
-            j, transposed = place[(s.target.module, slice_index)]
+            j, by_input, by_rank = place[(s.target.module, slice_index)]
             a, b = header[s.lora_a], header[s.lora_b]
             copies.append(_Copy(int(a["data_offsets"][0]), safetensors_dtype(a["dtype"]),
-                                tuple(a["shape"]), 2 * j, transposed, 0, None))
+                                tuple(a["shape"]), 2 * j, not by_input, 0, None))
             copies.append(_Copy(int(b["data_offsets"][0]), safetensors_dtype(b["dtype"]),
-                                tuple(b["shape"]), 2 * j + 1, transposed, row_offset, s.scale))
+                                tuple(b["shape"]), 2 * j + 1, by_rank, row_offset, s.scale))
     if any(math.prod(c.shape) == 0 for c in copies):
         return None
     return CopyPlan(copies)

@@ -43,7 +43,6 @@ def module_allowed(name: str, target_modules) -> bool:
 
 
 class LoRALinear(nn.Module):
-
     def __init__(self, base: nn.Module, punica: PunicaWrapper, max_loras: int,
                  max_rank: int, dtype: torch.dtype, bias: bool = False,
                  dora: bool = False) -> None:

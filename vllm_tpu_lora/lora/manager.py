@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from vllm_tpu_lora import platform
-from vllm_tpu_lora.lora.copy_plan import CopyPlan, build_plan
+from vllm_tpu_lora.lora.copy_plan import CopyPlan, build_plan, rank_rows
 from vllm_tpu_lora.lora.layers import LoRALinear
 from vllm_tpu_lora.lora.peft_loader import (
     AdapterBytes,
@@ -321,16 +321,10 @@ class LoRAManager:
             slices = lora.modules.get(name) if lora is not None else None
             w = slices[i] if slices else None
             if w is not None:
-                r = w.lora_a.shape[0]
-                if by_input:  # [in, R] (the embedding's by token: [vocab, R])
-                    a[:, :r] = w.lora_a.T
-                else:
-                    a[:r] = w.lora_a
-                b_scaled = w.lora_b.float() * w.scale  # scaled in float32, then cast
-                if by_rank:
-                    b[:r] = b_scaled.T
-                else:
-                    b[:, :r] = b_scaled
+                r = w.lora_a.shape[0]  # PEFT's lora_a [r, in], lora_b [out, r]
+                rank_rows(a, not by_input)[:r] = w.lora_a
+                # B scaled in float32, then cast
+                rank_rows(b, by_rank)[:r] = (w.lora_b.float() * w.scale).T
         for (name, kind, sizes), row in zip(self._vector_layout, views[n_ab:]):
             slices = lora.modules.get(name) if lora is not None else None
             for i, (offset, size) in enumerate(zip(_offsets(sizes), sizes)):
