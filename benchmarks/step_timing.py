@@ -9,6 +9,7 @@ output handling). The lost overlap makes the step a little slower than in servin
 
 from __future__ import annotations
 
+import collections
 import time
 
 
@@ -25,6 +26,7 @@ def timed(llm, fn) -> dict:
     engine = llm.llm_engine
     engine.runner.serialize_graphs = True
     steps0, (n0, ns0) = engine.num_steps, _execute_ns()
+    graphs0 = collections.Counter(engine.runner.forward_graph_steps)
     t0 = time.perf_counter()
     try:
         result = fn()
@@ -33,7 +35,12 @@ def timed(llm, fn) -> dict:
     elapsed = time.perf_counter() - t0
     steps, (n1, ns1) = max(engine.num_steps - steps0, 1), _execute_ns()
     device_ms = (ns1 - ns0) / 1e6 / steps
+    graphs = collections.Counter(engine.runner.forward_graph_steps)
+    graphs.subtract(graphs0)
     step_ms = 1e3 * elapsed / steps
     return {"elapsed_s": elapsed, "steps": steps, "ms_per_step": step_ms,
             "device_ms_per_step": device_ms, "host_ms_per_step": step_ms - device_ms,
-            "executions_per_step": (n1 - n0) / steps, "_result": result}
+            "executions_per_step": (n1 - n0) / steps,
+            # The run's steps per forward graph, "T<tokens>/S<slots>/<LoRA strategy>".
+            "forward_graph_steps": {k: n for k, n in sorted(graphs.items()) if n},
+            "_result": result}

@@ -6,6 +6,7 @@ runs the cached graph without executing the model's frames; a lazily re-traced s
 (`enforce_eager=True`) runs all of them, which shows the probe can fail.
 """
 
+import collections
 import os
 import sys
 
@@ -89,11 +90,22 @@ def _random_lora_workload(engine, adapters, rng, num_requests: int) -> dict:
 
 def test_steady_state_steps_run_no_model_code(lora_llm, adapters):
     engine = lora_llm.llm_engine
-    loads_before = engine.stats()["lora_slot_loads"]
+    before = engine.stats()
+    loads_before = before["lora_slot_loads"]
     with ModelCodeCounter() as counter:
         finished = _random_lora_workload(engine, adapters, np.random.default_rng(7), 40)
     assert len(finished) == 40
     stats = engine.stats()
+    # Every step is counted on the graph it ran: its buckets and what its LoRA ops did.
+    served = collections.Counter(stats["forward_graph_steps"])
+    served.subtract(before["forward_graph_steps"])
+    assert sum(served.values()) == stats["num_steps"] - before["num_steps"]
+    runner = engine.runner
+    for key in [k for k, n in served.items() if n]:
+        t_b, s_b, kind = key.split("/")
+        assert int(t_b[1:]) in runner.token_ladder and int(s_b[1:]) in runner.slot_ladder
+        assert (kind == "base") == (s_b == "S0"), key
+    assert any(n and not k.endswith("/base") for k, n in served.items()), served
     assert stats["lora_slot_loads"] - loads_before > 2  # adapters swapped between slots
     assert counter.calls == {}
     assert stats["compilations_after_warmup"] == 0 and stats["captures_after_warmup"] == 0

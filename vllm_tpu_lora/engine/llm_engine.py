@@ -351,6 +351,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "num_graphs": self.runner.num_graphs,
+            "forward_graph_steps": dict(self.runner.forward_graph_steps),
             "warmup_seconds": self.runner.warmup_seconds,
             "compilations_after_warmup": self.runner.guard.compilations_after_warmup,
             "captures_after_warmup": self.runner.guard.captures_after_warmup,

@@ -60,6 +60,9 @@ class PunicaWrapper:
         # Set by the logits graph while it computes lm_head: each row's device slot.
         self.logits_rows: torch.Tensor | None = None
         self.step: dict[str, torch.Tensor] = {}
+        # What the last planned step runs ("base", an xla strategy, or the backend's name
+        # off the fused xla path): the runner counts the steps of each graph by it.
+        self.planned_kind = "base"
         self._layout = None
         self._ones = None
 
@@ -77,6 +80,7 @@ class PunicaWrapper:
         position in `active_slots` (-1: base model or padding). fallback: plan a slots
         bucket's fallback graph even if the step fits (warm-up traces both)."""
         if num_slots == 0:
+            self.planned_kind = "base"
             return {}
         arrays = self.plan_strategy(token_pos, active_slots, num_slots, dtype, fallback)
         if self.slot_vectors:
@@ -88,6 +92,8 @@ class PunicaWrapper:
         """The arrays the graph's LoRA strategy reads (host side, once per step). A slots
         graph and its fallback differ in these arrays, so each has its own graph key."""
         strategy = self.step_strategy(token_pos, num_slots, fallback)
+        self.planned_kind = strategy or (self.backend if self.fuse_slices
+                                         else f"{self.backend}_per_slice")
         if strategy == "slots":
             return step_layout.slots_layout(token_pos, active_slots, num_slots, self.max_loras)
         if strategy == "single":  # each strategy uploads only the arrays its graph reads

@@ -84,6 +84,14 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # (before: gathered +2.7 at T=16, +4.1 at T=32; slots +4.9 at T=64, +12.7 at T=256), and
 # at the vs-PEFT shape, S = 16: T=32 gathered 10.7 | slots 10.9 (before: 15-18 | 29-33);
 # T=256 slots 35 | gathered 138 (before: slots 87); T=512 slots 70-78 (before: 99).
+# How often a slots bucket falls back, from the engine's own count
+# (stats()["forward_graph_steps"]) on benchmark_vs_peft.py --num-adapters 16 --output-len
+# 32 32 (another host: an AVX-512 Xeon, where the LoRA ops cost about twice the above):
+# of 67 steps, 57 were 32-token decode steps (gathered) and 8 prefill steps, of which 7
+# ran the split fallback (the scheduler admits a waiting adapter's requests together, so
+# one adapter's prefill tokens often exceed a slot's 2T/S rows), replayed there at +136 ms
+# over the base graph at T=256 (slots +38) and +195 at T=512 (slots +93). On
+# benchmark_lora.py all 9 prefill steps fit (256 tokens over 8 slots: 64 rows each).
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
 GATHERED_UP_TO = ((8, 32), (16, 64))  # (min S, max T) pairs where gathered wins

@@ -11,6 +11,7 @@ back in one packed transfer.
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
@@ -81,6 +82,10 @@ class ModelRunner:
         self.serialize_graphs = False
         self.warmup_seconds = 0.0
         self.num_graphs = 0
+        # Served steps per forward graph, "T<tokens>/S<slots>/<kind>" (kind: "base" or the
+        # LoRA strategy the step ran): which graphs the traffic lands on, e.g. how often
+        # a slots bucket falls back (stats()["forward_graph_steps"]).
+        self.forward_graph_steps: collections.Counter[str] = collections.Counter()
         platform.sync()
 
     # ---- graphs ----
@@ -150,8 +155,10 @@ class ModelRunner:
                 row_slots = np.array([active_slots[position_of[s.seq.lora_int_id]]
                                       if s.seq.lora_int_id else -1 for s in scheduled], np.int32)
             greedy = not want_top_logprobs and all(s.seq.params.is_greedy for s in scheduled)
-            packed = self._sample(self._forward(arrays, s_b), arrays, row_slots,
-                                  greedy).cpu().numpy()
+            last_hidden = self._forward(arrays, s_b)
+            kind = self.punica.planned_kind if self.punica is not None else "base"
+            self.forward_graph_steps[f"T{t_b}/S{s_b}/{kind}"] += 1
+            packed = self._sample(last_hidden, arrays, row_slots, greedy).cpu().numpy()
         n = len(scheduled)
         k = (packed.shape[1] - 3) // 2  # 0 from the greedy graph
         return StepResult(
