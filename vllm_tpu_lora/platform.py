@@ -52,6 +52,14 @@ def wait_device_ops() -> None:
     xm.wait_device_ops()
 
 
+def optimization_barrier(tensors: list) -> None:
+    """An XLA optimization barrier over `tensors` (in place): the compiler may not move or
+    merge computation across it."""
+    import torch_xla.core.xla_model as xm
+
+    xm.optimization_barrier_(tensors)
+
+
 _cache_initialized = False
 
 
