@@ -79,3 +79,17 @@ def test_replay_buckets_small_replays_slots_and_fallback_graphs():
     assert rows[16]["strategy"] != "slots" and "fallback_ms" not in rows[16]
     assert rows[64]["strategy"] == "slots" and rows[64]["fallback_strategy"] == "split"
     assert all(r["lora_ms"] > 0 and r["compilations_after_warmup"] == 0 for r in rows.values())
+
+
+def test_benchmark_kv_window_small_runs_each_engine_on_its_windows():
+    """Short requests on a 512-token engine: the window ladder runs them on its 256-token
+    graphs, the one-window engine on its 512-token ones, with the same greedy outputs."""
+    import benchmark_kv_window
+
+    rows = benchmark_kv_window.main(["--small"])
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["ratio"]["greedy_outputs_identical"] == "8/8"
+    for name, window in (("one_window", "W512"), ("window_buckets", "W256")):
+        row = by_name[name]
+        assert {k.split("/")[2] for k in row["forward_graph_steps"]} == {window}, row
+        assert row["compilations_after_warmup"] == 0

@@ -27,3 +27,14 @@ def test_pick_is_the_smallest_bucket_that_fits():
     assert [buckets.pick(ladder, n) for n in (1, 16, 17, 33, 48)] == [16, 16, 32, 48, 48]
     with pytest.raises(ValueError, match="exceeds"):
         buckets.pick(ladder, 49)
+
+
+def test_kv_window_buckets_start_at_the_minimum_window():
+    # block_size 16: windows of 256, 512, ... tokens, the last one max_model_len's.
+    assert buckets.kv_block_buckets(24, 16) == [16, 24]
+    assert buckets.kv_block_buckets(128, 16) == [16, 32, 64, 128]
+    assert buckets.kv_block_buckets(16, 16) == [16]  # the tests' engines: one window
+    assert buckets.kv_block_buckets(7, 16) == [7]
+    assert buckets.kv_block_buckets(40, 4) == [40]  # 256 tokens of 4-token blocks: 64
+    # A ragged kernel (TPU) reads each sequence's own blocks: one window.
+    assert buckets.kv_block_buckets(128, 16, ragged_kernel=True) == [128]

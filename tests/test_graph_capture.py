@@ -102,8 +102,9 @@ def test_steady_state_steps_run_no_model_code(lora_llm, adapters):
     assert sum(served.values()) == stats["num_steps"] - before["num_steps"]
     runner = engine.runner
     for key in [k for k, n in served.items() if n]:
-        t_b, s_b, kind = key.split("/")
+        t_b, s_b, w_b, kind = key.split("/")
         assert int(t_b[1:]) in runner.token_ladder and int(s_b[1:]) in runner.slot_ladder
+        assert int(w_b[1:]) in [w * runner.block_size for w in runner.window_ladder]
         assert (kind == "base") == (s_b == "S0"), key
     assert any(n and not k.endswith("/base") for k, n in served.items()), served
     assert stats["lora_slot_loads"] - loads_before > 2  # adapters swapped between slots

@@ -23,7 +23,10 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 def _check_parity(llm: LLM, model_dir: str, seed: int) -> None:
-    prompts = _prompts(seed)
+    _assert_matches_hf(llm, model_dir, _prompts(seed))
+
+
+def _assert_matches_hf(llm: LLM, model_dir: str, prompts: list[list[int]]) -> None:
     expected = hf_greedy(model_dir, prompts, MAX_NEW)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -55,3 +58,17 @@ def test_llama_variants_match_hf(tmp_path, variant):
         model_dir = make_tiny_llama(str(tmp_path / "m"), num_kv_heads=4, legacy_config=True,
                                     rope_scaling={"rope_type": "linear", "factor": 2.0})
     _check_parity(LLM(model_dir, **SMALL_ENGINE), model_dir, seed=2)
+
+
+def test_attention_window_buckets_match_hf(llama_dir):
+    """max_model_len 512: attention windows of 256 and 512 tokens, a graph each. Prompts
+    below, at and across the 256-token boundary (250 + 12 new tokens changes window
+    mid-generation) decode as HF does, with no compilation after warm-up."""
+    llm = LLM(llama_dir, **{**SMALL_ENGINE, "max_model_len": 512})
+    assert llm.llm_engine.runner.window_ladder == [16, 32]
+    rng = np.random.default_rng(3)
+    _assert_matches_hf(llm, llama_dir, [rng.integers(3, 512, size=n).tolist()
+                                         for n in (250, 20, 300, 244)])
+    stats = llm.llm_engine.stats()
+    windows = {key.split("/")[2] for key, n in stats["forward_graph_steps"].items() if n}
+    assert windows == {"W256", "W512"}

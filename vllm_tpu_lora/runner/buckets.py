@@ -31,6 +31,24 @@ def slot_buckets(max_loras: int) -> list[int]:
     return [0] + pow2_ladder(1, max_loras)
 
 
+# The CPU attention path gathers each query block's whole context window (see
+# layers/attention.py), so its cost follows the window, not the sequences' real lengths:
+# at max_model_len 384 (benchmark_throughput's shape) attention was 22-31% of a decode
+# step's forward and 41-48% of a prefill step's. Windows come in KV-block buckets, from
+# KV_MIN_WINDOW tokens up to max_model_len: engines whose max_model_len is no larger
+# (the tests') keep one bucket and their graph count.
+KV_MIN_WINDOW = 256
+
+
+def kv_block_buckets(max_blocks: int, block_size: int, ragged_kernel: bool = False) -> list[int]:
+    """Attention context windows, in KV blocks per sequence: KV_MIN_WINDOW tokens, twice
+    that, ... up to max_blocks. A ragged kernel (TPU) reads only each sequence's own
+    blocks, so there one window: max_blocks."""
+    if ragged_kernel:
+        return [max_blocks]
+    return pow2_ladder(min(max(1, KV_MIN_WINDOW // block_size), max_blocks), max_blocks)
+
+
 def pick(ladder: list[int], n: int) -> int:
     """The smallest bucket >= n."""
     for b in ladder:

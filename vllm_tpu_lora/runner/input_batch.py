@@ -8,6 +8,9 @@ from the reserved null block, padding rows sample garbage that nobody reads.
 For the CPU attention path each sequence's tokens are also cut into query blocks of Q
 tokens (one sequence per block), so a block gathers its sequence's KV pages once
 instead of once per token: a 256-token prefill chunk reads its context 16x less often.
+A block gathers the first W blocks of its sequence's table, W the step's attention window
+bucket (runner/buckets.py kv_block_buckets): the cost follows W, so W is the smallest
+bucket that holds the step's longest sequence, not max_model_len.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class StepArrays:
     positions: np.ndarray
     slot_mapping: np.ndarray
     q_block_token_idx: np.ndarray  # [NQB, Q] token row of each query (padding: 0)
-    q_block_tables: np.ndarray  # [NQB, MB] block table of the block's sequence
+    q_block_tables: np.ndarray  # [NQB, W] first W blocks of the block's sequence's table
     q_block_kv_lens: np.ndarray  # [NQB, Q] keys each query sees (position + 1)
     token_out_index: np.ndarray  # [T] row of each token in the flattened [NQB * Q] output
     token_lora_idx: np.ndarray  # -1: base model / padding
@@ -64,12 +67,13 @@ def query_block_shape(t_bucket: int, max_num_seqs: int) -> tuple[int, int]:
     return -(-t_bucket // q) + min(max_num_seqs, t_bucket), q
 
 
-def _alloc(t: int, r: int, mb: int, nqb: int, q: int, max_seqs: int) -> dict[str, np.ndarray]:
+def _alloc(t: int, r: int, mb: int, nqb: int, q: int, max_seqs: int,
+           window: int) -> dict[str, np.ndarray]:
     return dict(
         input_ids=np.zeros(t, np.int64), positions=np.zeros(t, np.int64),
         slot_mapping=np.zeros(t, np.int64) + NULL_BLOCK,
         q_block_token_idx=np.zeros((nqb, q), np.int64),
-        q_block_tables=np.full((nqb, mb), NULL_BLOCK, np.int64),
+        q_block_tables=np.full((nqb, window), NULL_BLOCK, np.int64),
         q_block_kv_lens=np.ones((nqb, q), np.int32), token_out_index=np.zeros(t, np.int64),
         token_lora_idx=np.full(t, -1, np.int32),
         # Attention's per-sequence rows are part of the forward graph, which is keyed by
@@ -97,22 +101,31 @@ def _sampling_row(a: dict, i: int, s: ScheduledSeq, eos_id: int | None) -> None:
 
 def _query_blocks(a: dict, first_block: int, rows: range, pos: np.ndarray, seq_row: int) -> int:
     """Cut one sequence's token rows into query blocks; return the next free block."""
-    q = a["q_block_token_idx"].shape[1]
+    q, window = a["q_block_token_idx"].shape[1], a["q_block_tables"].shape[1]
     for j, start in enumerate(range(0, len(rows), q)):
         blk, n = first_block + j, min(q, len(rows) - start)
         token_rows = np.arange(rows.start + start, rows.start + start + n)
         a["q_block_token_idx"][blk, :n] = token_rows
         a["q_block_kv_lens"][blk, :n] = pos[start:start + n] + 1
-        a["q_block_tables"][blk] = a["seq_block_tables"][seq_row]
+        a["q_block_tables"][blk] = a["seq_block_tables"][seq_row, :window]
         a["token_out_index"][token_rows] = blk * q + np.arange(n)
     return first_block + -(-len(rows) // q)
 
 
+def kv_window_blocks(scheduled: list[ScheduledSeq], block_size: int) -> int:
+    """KV blocks the step's longest sequence holds after this step (at least 1)."""
+    return max([-(-(s.start + s.num_tokens) // block_size) for s in scheduled] + [1])
+
+
 def prepare_step(scheduled: list[ScheduledSeq], t_bucket: int, r_bucket: int,
                  max_blocks: int, block_size: int, lora_position_of: dict[int, int],
-                 eos_id: int | None, max_num_seqs: int) -> StepArrays:
+                 eos_id: int | None, max_num_seqs: int,
+                 window_blocks: int | None = None) -> StepArrays:
+    """window_blocks: the attention window bucket (KV blocks each query block gathers,
+    at least the step's longest sequence needs; see kv_window_blocks); default
+    max_blocks."""
     a = _alloc(t_bucket, r_bucket, max_blocks, *query_block_shape(t_bucket, max_num_seqs),
-               max_num_seqs)
+               max_num_seqs, window_blocks or max_blocks)
     cursor, block = 0, 0
     for i, s in enumerate(scheduled):
         seq, n, start = s.seq, s.num_tokens, s.start

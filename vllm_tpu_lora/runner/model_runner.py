@@ -26,7 +26,7 @@ from vllm_tpu_lora.layers.linear import pretranspose_linears
 from vllm_tpu_lora.layers.sampler import SamplingTensors, neg_token_ids_for, sample, sample_greedy
 from vllm_tpu_lora.runner import buckets
 from vllm_tpu_lora.runner.compile_guard import CompileGuard
-from vllm_tpu_lora.runner.input_batch import StepArrays, prepare_step
+from vllm_tpu_lora.runner.input_batch import StepArrays, kv_window_blocks, prepare_step
 from vllm_tpu_lora.runner.lazy_capture import LazyGraphCapture
 
 
@@ -61,6 +61,9 @@ class ModelRunner:
         self.token_ladder = buckets.token_buckets(max_num_batched_tokens)
         self.request_ladder = buckets.request_buckets(max_num_seqs)
         self.max_num_seqs = max_num_seqs
+        # Attention windows (KV blocks a query block gathers): a graph per window bucket.
+        self.window_ladder = buckets.kv_block_buckets(self.max_blocks_per_seq, block_size,
+                                                      ragged_kernel=platform.is_tpu())
         self.lora_manager, self.punica = lora_manager, punica
         self.slot_ladder = buckets.slot_buckets(lora_manager.max_loras if lora_manager else 0)
         # enforce_eager (vLLM's name): re-trace every step lazily instead of replaying.
@@ -82,7 +85,8 @@ class ModelRunner:
         self.serialize_graphs = False
         self.warmup_seconds = 0.0
         self.num_graphs = 0
-        # Served steps per forward graph, "T<tokens>/S<slots>/<kind>" (kind: "base" or the
+        # Served steps per forward graph, "T<tokens>/S<slots>/W<window>/<kind>" (window:
+        # the attention window bucket in tokens; kind: "base" or the
         # LoRA strategy the step ran): which graphs the traffic lands on, e.g. how often
         # a slots bucket falls back (stats()["forward_graph_steps"]).
         self.forward_graph_steps: collections.Counter[str] = collections.Counter()
@@ -145,8 +149,9 @@ class ModelRunner:
         r_b = buckets.pick(self.request_ladder, len(scheduled))
         with self.guard.watch("model step"):
             position_of, active_slots = self._activate_loras(scheduled)
+            w_b = buckets.pick(self.window_ladder, kv_window_blocks(scheduled, self.block_size))
             arrays = prepare_step(scheduled, t_b, r_b, self.max_blocks_per_seq, self.block_size,
-                                  position_of, self.eos_token_id, self.max_num_seqs)
+                                  position_of, self.eos_token_id, self.max_num_seqs, w_b)
             arrays.active_slots = active_slots
             s_b = (self.punica.graph_slots(arrays.token_lora_idx, len(active_slots),
                                            self.slot_ladder) if self.punica is not None else 0)
@@ -157,7 +162,7 @@ class ModelRunner:
             greedy = not want_top_logprobs and all(s.seq.params.is_greedy for s in scheduled)
             last_hidden = self._forward(arrays, s_b)
             kind = self.punica.planned_kind if self.punica is not None else "base"
-            self.forward_graph_steps[f"T{t_b}/S{s_b}/{kind}"] += 1
+            self.forward_graph_steps[f"T{t_b}/S{s_b}/W{w_b * self.block_size}/{kind}"] += 1
             packed = self._sample(last_hidden, arrays, row_slots, greedy).cpu().numpy()
         n = len(scheduled)
         k = (packed.shape[1] - 3) // 2  # 0 from the greedy graph
@@ -197,7 +202,8 @@ class ModelRunner:
         before = platform.compile_count()
         # A bucket whose LoRA strategy has a fallback graph (steps it does not fit) is
         # traced twice.
-        forwards = [(t_b, s_b, fallback) for t_b in self.token_ladder for s_b in self.slot_ladder
+        forwards = [(t_b, s_b, w_b, fallback) for t_b in self.token_ladder
+                    for s_b in self.slot_ladder for w_b in self.window_ladder
                     for fallback in (False, True)
                     if not fallback or (self.punica is not None
                                         and self.punica.fallback_graph(t_b, s_b))]
@@ -208,8 +214,9 @@ class ModelRunner:
             warm = self.lora_manager.warmup_adapter()
             for slot in range(self.lora_manager.max_loras):
                 self.lora_manager.write_slot(slot, warm)
-        for t_b, s_b, fallback in forwards:
-            last = self._forward(self._dummy(t_b, self.request_ladder[0], s_b), s_b, fallback)
+        for t_b, s_b, w_b, fallback in forwards:
+            last = self._forward(self._dummy(t_b, self.request_ladder[0], s_b, w_b), s_b,
+                                 fallback)
             bar.update(1)
         for r_b in self.request_ladder:
             for greedy in (False, True):
@@ -224,11 +231,12 @@ class ModelRunner:
         self.warmup_seconds = time.perf_counter() - start
         self.guard.arm()
 
-    def _dummy(self, t_b: int, r_b: int, s_b: int) -> StepArrays:
-        """An all-padding step; with s_b > 0 the padding tokens cycle through the slots so
-        the LoRA graph is traced with every slot in play."""
+    def _dummy(self, t_b: int, r_b: int, s_b: int, w_b: int | None = None) -> StepArrays:
+        """An all-padding step (attention window w_b, default the widest); with s_b > 0
+        the padding tokens cycle through the slots so the LoRA graph is traced with every
+        slot in play."""
         a = prepare_step([], t_b, r_b, self.max_blocks_per_seq, self.block_size, {},
-                         self.eos_token_id, self.max_num_seqs)
+                         self.eos_token_id, self.max_num_seqs, w_b)
         a.active_slots = list(range(s_b))
         if s_b:
             a.token_lora_idx[:] = np.arange(t_b) % s_b
