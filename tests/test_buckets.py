@@ -38,3 +38,22 @@ def test_kv_window_buckets_start_at_the_minimum_window():
     assert buckets.kv_block_buckets(40, 4) == [40]  # 256 tokens of 4-token blocks: 64
     # A ragged kernel (TPU) reads each sequence's own blocks: one window.
     assert buckets.kv_block_buckets(128, 16, ragged_kernel=True) == [128]
+
+
+def test_query_blocks_hold_any_step_of_their_bucket():
+    """Every way to cut T tokens into at most max_num_seqs sequences fits the bucket's
+    query blocks (one sequence per block); decode-sized buckets use single-row blocks and
+    larger ones grow their blocks up to 16 rows."""
+    from vllm_tpu_lora.runner.input_batch import query_block_shape
+
+    for seqs in (8, 16, 32):
+        shapes = []
+        for t in (16, 32, 64, 128, 256, 512):
+            nqb, q = query_block_shape(t, seqs)
+            shapes.append(q)
+            assert (q == 1) == (t <= seqs) and q in (1, 2, 4, 8, 16)
+            # The most blocks a step needs: k sequences, each one token past a multiple of
+            # q (a partial block apiece), the rest of the tokens in full blocks.
+            worst = max((t - k) // q + k for k in range(1, min(seqs, t) + 1))
+            assert worst <= nqb, (t, seqs, nqb, q)
+        assert shapes == sorted(shapes)

@@ -15,6 +15,7 @@ bucket that holds the step's longest sequence, not max_model_len.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +24,14 @@ from vllm_tpu_lora.engine.block_manager import NULL_BLOCK
 from vllm_tpu_lora.engine.scheduler import ScheduledSeq
 
 MAX_BLOCKED_IDS = 8  # EOS + stop_token_ids masked out while min_tokens is not reached
-QUERY_BLOCK = 16
+QUERY_BLOCK = 16  # the largest query block
+# c in query_block_shape's rule, from replaying the forward graphs of the throughput
+# benchmark's model (hidden 1024, 8 layers, 16 heads / 4 kv heads, max_num_seqs 32,
+# window 384) with Q forced, ms per step:
+#   T=64:  Q=4 149 | Q=8 157 | Q=16 184      T=128: Q=4 212 | Q=8 202 | Q=16 226
+#   T=256: Q=8 306-313 | Q=16 308-315         T=512: Q=8 520-528 | Q=16 487-500
+# c = 16 picks 4, 8, 16 (8 and 16 tie at 256) and 16.
+QUERY_BLOCK_BALANCE = 16
 
 
 @dataclass
@@ -59,11 +67,15 @@ def query_block_shape(t_bucket: int, max_num_seqs: int) -> tuple[int, int]:
     """(number of query blocks NQB, block size Q) for a token bucket: static per bucket.
 
     Buckets no larger than max_num_seqs are mostly decodes (one token per sequence), so
-    Q = 1. Larger ones hold prefill chunks: Q = 16, and each sequence wastes at most one
-    partial block, hence T/Q + max_num_seqs blocks."""
+    Q = 1. Larger ones hold prefill chunks, and each sequence wastes at most one partial
+    block, hence NQB = T/Q + S blocks (S = max_num_seqs): the step gathers a window per
+    block, (T/Q + S) windows, and computes scores for every block row, T + S*Q rows. Both
+    grow with the other's loss, so Q is the power of two nearest sqrt(c * T / S), which
+    balances them (capped at QUERY_BLOCK)."""
     if t_bucket <= max_num_seqs:
         return t_bucket, 1
-    q = QUERY_BLOCK
+    best = math.sqrt(QUERY_BLOCK_BALANCE * t_bucket / max_num_seqs)
+    q = min(QUERY_BLOCK, 2 ** max(0, round(math.log2(best))))
     return -(-t_bucket // q) + min(max_num_seqs, t_bucket), q
 
 
