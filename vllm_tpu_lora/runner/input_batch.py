@@ -75,7 +75,7 @@ def query_block_shape(t_bucket: int, max_num_seqs: int) -> tuple[int, int]:
     if t_bucket <= max_num_seqs:
         return t_bucket, 1
     best = math.sqrt(QUERY_BLOCK_BALANCE * t_bucket / max_num_seqs)
-    q = min(QUERY_BLOCK, 2 ** max(0, round(math.log2(best))))
+    q = min(QUERY_BLOCK, 2 ** round(math.log2(best)))  # best > 4: T > S
     return -(-t_bucket // q) + min(max_num_seqs, t_bucket), q
 
 
