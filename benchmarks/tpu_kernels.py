@@ -9,13 +9,14 @@ JAX only (no torch, no torch_xla), so it runs on a TPU host that has nothing but
 Prints one JSON row per measurement:
 - check: shrink/expand on skewed segment layouts (an unused slot full of NaN, padding
   blocks) against a float64 numpy reference; max error relative to the reference's RMS.
-- vmem: every (op, width, rank, dtype) of a set of real model widths compiled by Mosaic
-  with the blocks `block_sizes.kernel_blocks` picks (so the VMEM estimate's explicit
-  limits are exercised), plus a probe: the largest legal tile under Mosaic's default
+- vmem: every (op, width, rank, dtype, token block) of a set of real model widths
+  compiled by Mosaic with the blocks `block_sizes.kernel_blocks` picks (so the VMEM
+  estimate's explicit limits are exercised), plus a probe: the largest legal tile under Mosaic's default
   limit, whether or not the estimate allowed it (how conservative ops/vmem.py is).
 - bench: one LoRA linear's delta (shrink + expand) per strategy against the base
   matmul of the same linear, device time per call (k distinct inputs per dispatch).
-- blocks: the Pallas delta per token block B (16 to 128).
+- blocks: the Pallas delta per token block B (the table's block for the dtype, then
+  2x, 4x and 8x it) over a grid of step sizes (--block-* flags).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def check_one(pk, bs, jnp, t, n, d, o, r, dtype, precision, interpret):
     """What the torch wrappers do: inputs in the kernels' compute dtype (float16 runs
     in float32), outputs cast back to the activation dtype."""
     rng = np.random.default_rng(t * 7 + n * 13 + r)
-    block = bs.token_block(dtype, "pallas")
+    block = bs.token_block(dtype, "pallas", t, n)  # the block the engine runs this step with
     block_slot, row_slot, _ = segment_case(bs, rng, t, n, block)
     t_pad = row_slot.size
     jt, act = jnp.dtype(bs.pallas_compute_dtype(dtype)), jnp.dtype(dtype)
@@ -132,8 +133,8 @@ def check_one(pk, bs, jnp, t, n, d, o, r, dtype, precision, interpret):
     tol = CHECK_TOL[(dtype, precision)]
     emit(dict(part="check", T=t, N=n, D=d, O=o, R=r, dtype=dtype, compute_dtype=str(jt),
               precision=precision, block=block,
-              shrink_tile=bs.kernel_blocks("shrink", d, r, dtype).feature_block,
-              expand_tile=bs.kernel_blocks("expand", o, r, dtype).feature_block,
+              shrink_tile=bs.kernel_blocks("shrink", d, r, dtype, block).feature_block,
+              expand_tile=bs.kernel_blocks("expand", o, r, dtype, block).feature_block,
               shrink_rel_err=err_y, expand_rel_err=err_z, padding_zero=pad_zero,
               finite=finite, first_call_s=round(wall, 3),
               ok=bool(err_y < tol and err_z < tol and pad_zero and finite)))
@@ -150,14 +151,21 @@ def _compile(jax, fn, args) -> tuple[bool, str]:
         return False, f"{type(e).__name__}: {' | '.join(str(e).splitlines()[:6])[:600]}"
 
 
-def vmem_sweep(pk, bs, jax, jnp, widths, ranks, dtypes, t=256, n=4):
+def vmem_sweep(pk, bs, jax, jnp, widths, ranks, dtypes, which_blocks, t=256, n=4):
+    """which_blocks: "base" (each dtype's base token block), "step" (the larger blocks
+    of steps with many rows per adapter) or "all"."""
     from vllm_tpu_lora.ops import vmem
+
+    def token_blocks(dtype):
+        blocks, base = bs.pallas_token_blocks(dtype), bs.token_block(dtype, "pallas")
+        return {"base": [base], "step": [b for b in blocks if b != base],
+                "all": list(blocks)}[which_blocks]
 
     for op in ("shrink", "expand"):
         for f in widths:
             for r in ranks:
-                for dtype in dtypes:
-                    kb = bs.kernel_blocks(op, f, r, dtype)
+                for dtype, block in [(dt, b) for dt in dtypes for b in token_blocks(dt)]:
+                    kb = bs.kernel_blocks(op, f, r, dtype, block)
                     t_pad = bs.padded_num_tokens(t, n, kb.token_block)
                     jt = jnp.dtype(dtype)
                     slots = jax.ShapeDtypeStruct((t_pad // kb.token_block,), jnp.int32)
@@ -254,7 +262,7 @@ def _strategies(pk, jax, jnp, block, n, r, interpret):
 def bench(pk, bs, jax, jnp, configs, k_max, reps, interpret):
     for t, n, d, o, r, dtype in configs:
         rng = np.random.default_rng(0)
-        block = bs.token_block(dtype, "pallas")
+        block = bs.token_block(dtype, "pallas", t, n)
         block_slot, row_slot, groups = segment_case(bs, rng, t, n, block)
         t_pad, jt = row_slot.size, jnp.dtype(dtype)
         xs, a, b = _stacked_inputs(jnp, rng, t_pad, n, d, o, r, jt, k_max)
@@ -322,6 +330,15 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny shapes only (a smoke run)")
     p.add_argument("--k", type=int, default=64, help="most inputs per dispatch")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--vmem-token-blocks", choices=["base", "step", "all"], default="all",
+                   help="vmem part: which Pallas token blocks to compile each shape with")
+    blocks = p.add_argument_group("blocks part: the grid of (tokens, slots, width, rank)")
+    blocks.add_argument("--block-tokens", type=int, nargs="+", default=[16, 256, 2048])
+    blocks.add_argument("--block-slots", type=int, nargs="+", default=[1, 4, 16])
+    blocks.add_argument("--block-widths", type=int, nargs="+", default=[4096, 14336])
+    blocks.add_argument("--block-ranks", type=int, nargs="+", default=[16])
+    blocks.add_argument("--block-dtypes", nargs="+", default=["bfloat16"],
+                        choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
     import jax
     import jax.numpy as jnp
@@ -350,12 +367,17 @@ def main(argv=None):
     if "check" in parts:
         check(pk, bs, jnp, check_cases, args.interpret)
     if "vmem" in parts and not args.interpret:  # the interpreter runs no Mosaic compile
-        vmem_sweep(pk, bs, jax, jnp, VMEM_WIDTHS, VMEM_RANKS, ("float32", "bfloat16"))
+        vmem_sweep(pk, bs, jax, jnp, VMEM_WIDTHS, VMEM_RANKS, ("float32", "bfloat16"),
+                   args.vmem_token_blocks)
     if "blocks" in parts:
-        cfgs = [(t, n, 4096, o, 16, "bfloat16") for t in (16, 256, 2048) for n in (1, 4, 16)
-                for o in (4096, 14336)]
-        block_sweep(pk, bs, jax, jnp, cfgs[:1] if args.quick else cfgs, (16, 32, 64, 128),
-                    args.k, args.reps, args.interpret)
+        for dtype in args.block_dtypes:
+            cfgs = [(t, n, 4096, o, r, dtype) for t in args.block_tokens
+                    for n in args.block_slots for o in args.block_widths
+                    for r in args.block_ranks]
+            base = bs.token_block(dtype, "pallas")  # the table's block, then 2x, 4x, 8x
+            block_sweep(pk, bs, jax, jnp, cfgs[:1] if args.quick else cfgs,
+                        tuple(base << i for i in range(4)), args.k, args.reps,
+                        args.interpret)
     if "bench" in parts:
         bench(pk, bs, jax, jnp, bench_cfgs, args.k, args.reps, args.interpret)
 

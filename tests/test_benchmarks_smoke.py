@@ -47,7 +47,8 @@ def test_benchmark_lora_many_adapters_small_runs():
 def test_tpu_kernel_script_runs_without_torch():
     """benchmarks/tpu_kernels.py is what runs on a JAX-only TPU host (no torch there):
     with torch made unimportable, its interpreter smoke run checks float32 ("highest"),
-    bfloat16 and float16 kernels against numpy, and its bench rows carry every strategy."""
+    bfloat16 and float16 kernels against numpy, its bench rows carry every strategy and
+    its blocks row every token block."""
     import json
     import os
     import subprocess
@@ -55,7 +56,7 @@ def test_tpu_kernel_script_runs_without_torch():
 
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "tpu_kernels.py")
     code = ("import runpy, sys; sys.modules['torch'] = None; "  # `import torch` now raises
-            f"sys.argv = [{script!r}, '--interpret', '--quick', '--parts', 'check,bench', "
+            f"sys.argv = [{script!r}, '--interpret', '--quick', '--parts', 'check,bench,blocks', "
             "'--k', '2', '--reps', '1']; runpy.run_path(sys.argv[0], run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600, check=True).stdout
@@ -67,6 +68,8 @@ def test_tpu_kernel_script_runs_without_torch():
     (bench,) = [r for r in rows if r["part"] == "bench"]
     for name in ("base_matmul", "pallas", "ragged_dot", "onehot", "gathered"):
         assert bench[f"{name}_ms"] > 0, bench
+    (blocks,) = [r for r in rows if r["part"] == "blocks"]  # bf16: its block 16, then 2-8x
+    assert [blocks[f"B{b}_ms"] > 0 for b in (16, 32, 64, 128)] == [True] * 4, blocks
 
 
 def test_replay_buckets_small_replays_slots_and_fallback_graphs():

@@ -11,7 +11,8 @@ from tests.test_ops_vmem import CONFIGS, realistic_shapes
 from tests.test_ops_vmem import RANKS as REALISTIC_RANKS
 from vllm_tpu_lora.ops import bgmv_pallas
 from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
-from vllm_tpu_lora.ops.block_sizes import kernel_blocks
+from vllm_tpu_lora.ops.block_sizes import pallas_token_blocks
+from vllm_tpu_lora.ops.kernel_shapes import shape_blocks
 from vllm_tpu_lora.ops.pallas_export import (
     KernelShape,
     export_for_tpu,
@@ -116,11 +117,12 @@ def _realistic_kernels():
     (tests/test_ops_vmem.py lists all their shapes: 7 LoRA linears, packed qkv and
     gate_up slices, token buckets 16-512, slot buckets 1-8, ranks 8-256, bf16).
 
-    A kernel's body depends only on (op, width, rank, dtype, blocks); the buckets only
-    change T_pad, i.e. the grid length and the array shapes. So every distinct
+    A kernel's body depends only on (op, width, rank, dtype, blocks); the buckets pick
+    the token block (block_sizes.PALLAS_STEP_BLOCKS) and T_pad, i.e. the grid length
+    and the array shapes. So every distinct
     (op, width, rank, dtype, blocks) is lowered at the smallest and at the largest
     T_pad its shapes have, and every T_pad (all 24 bucket pairs) once per op at the
-    configs' widest width and largest rank: 176 lowerings (~33 ms each here) for the
+    configs' widest width and largest rank: 432 lowerings (~33 ms each here) for the
     1,584 distinct shapes, each distinct kernel body and grid length at least once."""
     shapes = [s for name in CONFIGS for s in realistic_shapes(name)]
     groups: dict[tuple, list[KernelShape]] = {}
@@ -136,7 +138,7 @@ def _realistic_kernels():
 
 
 def _blocks(s: KernelShape):
-    return kernel_blocks(s.op, s.features, s.rank, s.dtype)
+    return shape_blocks(s)
 
 
 def _t_pad(s: KernelShape) -> int:
@@ -147,7 +149,8 @@ def test_realistic_configs_lower_for_tpu():
     """jax.export lowering for TPU of every distinct kernel of the realistic configs
     (see _realistic_kernels for what is covered)."""
     chosen, groups = _realistic_kernels()
-    assert len(groups) == 11 * len(REALISTIC_RANKS)  # 4 shrink + 7 expand widths, 6 ranks
+    # 4 shrink + 7 expand widths, 6 ranks, each at every token block a step may use
+    assert len(groups) == 11 * len(REALISTIC_RANKS) * len(pallas_token_blocks("bfloat16"))
     assert {(s.num_tokens, s.num_slots) for s in chosen} >= {
         (t, n) for t in TOKEN_BUCKETS for n in SLOTS
     }

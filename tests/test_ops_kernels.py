@@ -62,7 +62,7 @@ def _run_impl(impl, case, wide, n, dtype):
             bgmv_xla.onehot_expand(y, b, idx, wide, OFFSET, OUT),
         )
     mod, backend = (bgmv_xla, "xla") if impl == "xla-segment" else (bgmv_pallas, "pallas")
-    lay = bgmv_xla.make_segment_layout(idx, n, token_block(dtype, backend))
+    lay = ops.make_segment_layout(idx, n, backend=backend, dtype=dtype)  # the step's block
     ys_in = bgmv_xla.to_segment_order(y, lay)
     return (
         bgmv_xla.to_token_order(mod.segment_shrink(x, a, lay, s), lay),
@@ -83,6 +83,28 @@ def test_backends_on_xla_device(impl, t, r, n, dtype, dist):
     pad = case.idx < 0  # padding tokens: exact zeros / base passed through unchanged
     assert (outs[0].cpu()[pad] == 0).all()
     assert torch.equal(outs[1].cpu()[pad], case.base[pad])
+
+
+# Steps with many rows per adapter, where the Pallas kernels run a larger token block
+# than the base one (block_sizes.PALLAS_STEP_BLOCKS): f32 16, bf16 32 and 64.
+STEP_BLOCK_CASES = [
+    (64, 16, 4, F32, "skewed", 16),
+    (128, 8, 2, BF16, "distinct", 32),
+    (256, 16, 1, BF16, "identical", 64),
+]
+
+
+@pytest.mark.parametrize("t,r,n,dtype,dist,block", STEP_BLOCK_CASES,
+                         ids=[_case_id(c) for c in STEP_BLOCK_CASES])
+def test_pallas_larger_step_blocks(t, r, n, dtype, dist, block):
+    assert token_block(dtype, "pallas", t, n) == block > token_block(dtype, "pallas")
+    case, wide, refs = _case_and_ref(t, r, n, dtype, dist)
+    outs = _run_impl("pallas", case, wide, n, dtype)
+    platform.sync()
+    for out, ref in zip(outs, refs, strict=True):
+        assert_close(out, ref, dtype)
+    pad = case.idx < 0
+    assert (outs[0].cpu()[pad] == 0).all()
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])

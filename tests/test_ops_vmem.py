@@ -18,11 +18,12 @@ from vllm_tpu_lora.layers.linear import MergedLinear
 from vllm_tpu_lora.lora.layers import wrap_lora_layers
 from vllm_tpu_lora.lora.punica import PunicaWrapper
 from vllm_tpu_lora.ops import vmem
-from vllm_tpu_lora.ops.block_sizes import MAX_FEATURE_TILE, kernel_blocks
+from vllm_tpu_lora.ops.block_sizes import MAX_FEATURE_TILE, kernel_blocks, pallas_token_blocks
 from vllm_tpu_lora.ops.kernel_shapes import (
     KernelShape,
     check_kernel_budget,
     lora_layer_kernel_shapes,
+    shape_blocks,
 )
 
 MiB = vmem.MiB
@@ -124,7 +125,7 @@ def test_realistic_shapes_fit_the_default_scoped_vmem(name):
     num_widths = len({d for d, _ in widths}) + len({o for _, slices in widths for o in slices})
     assert len(shapes) == len(RANKS) * len(TOKEN_BUCKETS) * 4 * num_widths
     for shape in shapes:
-        blocks = kernel_blocks(shape.op, shape.features, shape.rank, shape.dtype)
+        blocks = shape_blocks(shape)
         tile = blocks.feature_block
         assert shape.features % tile == 0 and (tile % 128 == 0 or tile == shape.features)
         assert blocks.vmem_bytes == vmem.kernel_vmem_bytes(
@@ -138,13 +139,16 @@ def test_realistic_shapes_fit_the_default_scoped_vmem(name):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_every_allowed_rank_and_width_up_to_16k_fits(dtype):
     """The block table's domain: every allowed max_lora_rank (1-512) x every width that
-    is a multiple of 128 up to 16,384, both ops: blocks fit the default scoped limit."""
+    is a multiple of 128 up to 16,384, both ops, at every token block a step may use:
+    blocks fit the default scoped limit."""
     for op in ("shrink", "expand"):
         for rank in ALLOWED_RANKS:
             for features in range(128, 16384 + 1, 128):
-                blocks = kernel_blocks(op, features, rank, dtype)
-                assert blocks.vmem_limit_bytes is None, (op, features, rank, dtype)
-                assert blocks.feature_block <= MAX_FEATURE_TILE[dtype]
+                for token_block in pallas_token_blocks(dtype):
+                    blocks = kernel_blocks(op, features, rank, dtype, token_block)
+                    assert blocks.token_block == token_block
+                    assert blocks.vmem_limit_bytes is None, (op, features, rank, dtype, token_block)
+                    assert blocks.feature_block <= MAX_FEATURE_TILE[dtype]
 
 
 def test_the_old_overflowing_shapes_now_fit():

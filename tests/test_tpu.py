@@ -60,7 +60,7 @@ def test_mosaic_kernels_match_reference(t, r, n, dtype):
     case = make_case(t, 1024, 1536, r, n, dtype, "skewed", seed=t + r)
     dev = platform.xla_device()
     x, a, b, idx, s, base, y = (v.to(dev) for v in case)
-    lay = bgmv_xla.make_segment_layout(idx, n, token_block(dtype, "pallas"))
+    lay = bgmv_xla.make_segment_layout(idx, n, token_block(dtype, "pallas", t, n))
     ys = bgmv_xla.to_token_order(bgmv_pallas.segment_shrink(x, a, lay, s), lay)
     out = bgmv_pallas.segment_expand(bgmv_xla.to_segment_order(y, lay), b, lay, base)
     platform.sync()

@@ -98,9 +98,9 @@ class PunicaWrapper:
             return step_layout.slots_layout(token_pos, active_slots, num_slots, self.max_loras)
         if strategy == "single":  # each strategy uploads only the arrays its graph reads
             return step_layout.single_slot_layout(token_pos, active_slots)
+        block = self.token_block(dtype, token_pos.shape[0], num_slots)
         if strategy == "grouped":
-            return step_layout.segment_layout(token_pos, active_slots, num_slots,
-                                              self.token_block(dtype))
+            return step_layout.segment_layout(token_pos, active_slots, num_slots, block)
         if strategy == "gathered":
             return step_layout.token_slot_layout(token_pos, active_slots)
         if strategy == "split":
@@ -109,8 +109,7 @@ class PunicaWrapper:
         active[: len(active_slots)] = active_slots
         arrays = {"token_lora_idx": token_pos.astype(np.int32), "active_slots": active}
         if self.fuse_slices and self.backend == "pallas":
-            arrays.update(step_layout.segment_layout(token_pos, active_slots, num_slots,
-                                                     self.token_block(dtype)))
+            arrays.update(step_layout.segment_layout(token_pos, active_slots, num_slots, block))
         return arrays  # one-hot, Pallas (its SegmentLayout carries idx), tensor parallel
 
     def graph_slots(self, token_pos: np.ndarray, num_active: int, ladder: list[int]) -> int:
@@ -157,11 +156,11 @@ class PunicaWrapper:
         """Whether bucket (T, S) has a fallback graph besides its own (warm-up traces it)."""
         return self.fuse_slices and self.xla_strategy(num_tokens, num_slots) == "slots"
 
-    def token_block(self, dtype: torch.dtype) -> int:
-        """Token block B of the segment layout: the Pallas kernels' tile, or the xla grouped
-        matmul's measured block."""
+    def token_block(self, dtype: torch.dtype, num_tokens: int, num_slots: int) -> int:
+        """Token block B of the segment layout of graph (T, S): the Pallas kernels' tile for
+        that step shape, or the xla grouped matmul's measured block."""
         if self.backend == "pallas":
-            return token_block(dtype, "pallas")
+            return token_block(dtype, "pallas", num_tokens, num_slots)
         if self.force_block is not None:
             return self.force_block
         return step_layout.GROUPED_BLOCK

@@ -78,10 +78,10 @@ def make_segment_layout(
     """Semantics: sort tokens by slot into block-aligned segments, on device.
 
     Shapes: idx int [T] -> SegmentLayout with T_pad = padded_num_tokens(T, N, B)
-    rows. B defaults to block_sizes.token_block(dtype, backend).
+    rows. B defaults to block_sizes.token_block(dtype, backend, T, N).
     """
     if block is None:
-        block = token_block(dtype, resolve_backend(backend))
+        block = token_block(dtype, resolve_backend(backend), idx.shape[0], num_slots)
     return bgmv_xla.make_segment_layout(idx, num_slots, block)
 
 
@@ -129,7 +129,8 @@ def segment_expand(
 
 
 def _layout_for(idx: torch.Tensor, num_slots: int, backend: str, dtype) -> SegmentLayout:
-    return bgmv_xla.make_segment_layout(idx, num_slots, token_block(dtype, backend))
+    return bgmv_xla.make_segment_layout(idx, num_slots,
+                                        token_block(dtype, backend, idx.shape[0], num_slots))
 
 
 def bgmv_shrink(

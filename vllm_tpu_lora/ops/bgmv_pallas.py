@@ -123,7 +123,8 @@ def segment_shrink(
     check_shrink_shapes(x, lora_a, scale)
     interpret = default_interpret() if interpret is None else interpret
     if block_d is None:  # the same lookup as the TPU export (pallas_export.kernel_call)
-        block_d = kernel_blocks("shrink", x.shape[1], lora_a.shape[1], x.dtype).feature_block
+        block_d = kernel_blocks("shrink", x.shape[1], lora_a.shape[1], x.dtype,
+                                layout.block).feature_block
     cdt = _compute_dtype(x.dtype)
     xs = x.index_select(0, layout.perm).to(cdt)
     ys = _shrink_op(layout.block_slot, xs, lora_a.to(cdt), layout.block, block_d, interpret)
@@ -155,7 +156,7 @@ def segment_expand(
     size = expand_slice_size(lora_b, base, offset, size)
     interpret = default_interpret() if interpret is None else interpret
     if block_o is None:
-        block_o = kernel_blocks("expand", size, ys.shape[1], ys.dtype).feature_block
+        block_o = kernel_blocks("expand", size, ys.shape[1], ys.dtype, layout.block).feature_block
     cdt = _compute_dtype(ys.dtype)
     zs = _expand_op(layout.block_slot, ys.to(cdt), lora_b.to(cdt), layout.block, block_o, interpret)
     return scatter_back(zs, layout, base, offset, size)

@@ -1,14 +1,11 @@
 """Block sizes for the LoRA ops, kept apart from the kernels (as JAX's Pallas ops do).
 
 The entries follow from TPU layout rules and VMEM budgets; `token_block` for the
-XLA backend was chosen with benchmarks/benchmark_ops.py on XLA CPU. One TPU v5e run
+XLA backend was chosen with benchmarks/benchmark_ops.py on XLA CPU. TPU v5e runs
 (benchmarks/tpu_kernels.py, docs/results/tpu_kernels.jsonl, JAX only) checked them:
 every block this module picks for 7 widths (128 to 28672) x 5 ranks (8 to 512) x
-f32/bf16 compiled, and the Pallas delta per token block (bf16, R=16, D=4096) was
-best at B=16 for 16-token steps; B=32 was 1.2-1.6x faster than 16 at 2048 tokens and
-1.1-1.3x at 256 with 1-4 adapters (a tie with 16). The table keeps B=16 (decode
-dominates serving); a token-bucket-dependent B is the measured next step. Lookups
-never need to change.
+f32/bf16 compiled, and the Pallas token block was swept per step shape (below,
+`PALLAS_STEP_BLOCKS`). Lookups never need to change.
 
 Rules the values respect (Mosaic legality): the last two dims of every block are
 divisible by (8, 128) or equal the full array dims. bf16 packs two rows per
@@ -36,6 +33,29 @@ TOKEN_BLOCK: dict[tuple[str, str], int] = {
     # float16 on XLA CPU runs as bf16 does. The Pallas kernels run float16 in float32
     # (pallas_compute_dtype), so its Pallas block is float32's.
     ("xla", "float16"): 16,
+}
+
+# Larger Pallas token blocks for steps with many rows per adapter: (block, least T / S),
+# the first entry a step reaches wins, else TOKEN_BLOCK. A larger block means fewer,
+# fuller grid steps but up to S * (block - 1) more padding rows, so what decides is the
+# rows per slot of the graph (token bucket T over slot bucket S). Measured on a TPU v5e
+# (`tpu_kernels.py --parts blocks`, rank 16, D 4096, O 4096 / 14336; ms of one LoRA
+# linear's delta, docs/results/tpu_kernels.jsonl runs 3 to 5), e.g. bf16:
+#   T/S 16 (T=64 S=4):     B16 0.0272 | B32 0.0280 | B64 0.0349    (O 14336)
+#   T/S 32 (T=128 S=4):    B16 0.0353 | B32 0.0319 | B64 0.0379
+#   T/S 32 (T=512 S=16):   B16 0.0991 | B32 0.0870 | B64 0.1189
+#   T/S 128 (T=128 S=1):   B16 0.0300 | B32 0.0251 | B64 0.0263
+#   T/S 512 (T=512 S=1):   B16 0.0754 | B32 0.0526 | B64 0.0523   (1024 S=1: B64 -11%)
+# and float32:
+#   T/S 4 (T=16 S=4):      B8 0.0254 | B16 0.0265 | B32 0.0339
+#   T/S 16 (T=64 S=4):     B8 0.0377 | B16 0.0337 | B32 0.0375
+#   T/S 64 (T=256 S=4):    B8 0.0851 | B16 0.0642 | B32 0.0598
+#   T/S 128 (T=2048 S=16): B8 0.7308 | B16 0.5578 | B32 0.5221 | B64 0.5990
+# (B64 in float32 won only at T/S 512, by <1%: not taken). Decode buckets (T/S under
+# 16 in f32, 32 in bf16) keep the base block, which was best there by up to 1.3x.
+PALLAS_STEP_BLOCKS: dict[str, tuple[tuple[int, int], ...]] = {
+    "float32": ((32, 64), (16, 16)),
+    "bfloat16": ((64, 256), (32, 32)),
 }
 
 # The dtype the Pallas kernels compute in, per activation dtype. Mosaic on TPU v5e
@@ -74,13 +94,28 @@ def pallas_compute_dtype(dtype) -> str:
     return PALLAS_COMPUTE_DTYPE.get(name, name)
 
 
-def token_block(dtype, backend: str = "pallas") -> int:
-    """Token block B for a segment layout built for `backend` and activation `dtype`."""
+def token_block(dtype, backend: str = "pallas", num_tokens: int = 0,
+                num_slots: int = 1) -> int:
+    """Token block B for a segment layout built for `backend` and activation `dtype`;
+    for the Pallas kernels, of a step of token bucket `num_tokens` over slot bucket
+    `num_slots` (0 tokens: the base block, which every step may use)."""
     name = pallas_compute_dtype(dtype) if backend == "pallas" else vmem.dtype_name(dtype)
     key = (backend, name)
     if key not in TOKEN_BLOCK:
         raise ValueError(f"no token block for backend={backend!r} dtype={key[1]!r}")
+    if backend == "pallas":
+        for block, rows_per_slot in PALLAS_STEP_BLOCKS.get(name, ()):
+            if num_tokens >= rows_per_slot * max(1, num_slots):
+                return block
     return TOKEN_BLOCK[key]
+
+
+def pallas_token_blocks(dtype) -> tuple[int, ...]:
+    """Every token block the Pallas kernels may run with for activations of `dtype`
+    (the base block and the larger step blocks), smallest first."""
+    name = pallas_compute_dtype(dtype)
+    larger = [block for block, _ in PALLAS_STEP_BLOCKS.get(name, ())]
+    return tuple(sorted({token_block(name, "pallas"), *larger}))
 
 
 def legal_feature_tiles(features: int, dtype) -> list[int]:
@@ -94,15 +129,17 @@ def legal_feature_tiles(features: int, dtype) -> list[int]:
     return tiles or [features]
 
 
-def kernel_blocks(op: str, features: int, rank: int, dtype) -> KernelBlocks:
+def kernel_blocks(op: str, features: int, rank: int, dtype,
+                  block: int | None = None) -> KernelBlocks:
     """The blocks of one kernel shape, used by the torch wrappers and the TPU export
     alike: the largest legal feature tile whose VMEM estimate fits Mosaic's default
     scoped limit; if none does (only a wide dim that is not a multiple of 128 at a
     large rank), the smallest tile with an explicit vmem_limit_bytes (which may exceed
     vmem.VMEM_LIMIT_CEILING_BYTES: check_kernel_budget refuses those shapes).
-    `dtype` is the activations'; the blocks are those of the kernels' compute dtype."""
+    `dtype` is the activations'; the blocks are those of the kernels' compute dtype.
+    `block`: the step's token block (the segment layout's), default the base one."""
     dtype = pallas_compute_dtype(dtype)
-    block = token_block(dtype, "pallas")
+    block = block or token_block(dtype, "pallas")
     tiles = legal_feature_tiles(features, dtype)
     for tile in tiles:
         estimate = vmem.kernel_vmem_bytes(op, block, tile, rank, dtype)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from vllm_tpu_lora.ops import vmem
-from vllm_tpu_lora.ops.block_sizes import kernel_blocks
+from vllm_tpu_lora.ops.block_sizes import KernelBlocks, kernel_blocks, token_block
 
 OPS = vmem.KERNEL_OPS
 
@@ -60,6 +60,13 @@ def lora_layer_kernel_shapes(
     return shrinks + expands
 
 
+def shape_blocks(shape: KernelShape) -> KernelBlocks:
+    """The blocks the kernels run this shape with: the token block of its step (token
+    bucket over slot bucket, block_sizes.token_block), then the feature tile for it."""
+    block = token_block(shape.dtype, "pallas", shape.num_tokens, shape.num_slots)
+    return kernel_blocks(shape.op, shape.features, shape.rank, shape.dtype, block)
+
+
 def _describe(shape: KernelShape) -> str:
     what = "D" if shape.op == "shrink" else "O"
     return (
@@ -77,12 +84,12 @@ def check_kernel_budget(
     allowed (vmem.VMEM_LIMIT_CEILING_BYTES; tests pass a smaller one)."""
     seen = set()
     for shape in shapes:
-        # The blocks and the estimate depend on neither bucket: check each width once.
-        key = (shape.op, shape.features, shape.rank, shape.dtype)
+        # The buckets matter only through the token block: check each width once per block.
+        blocks = shape_blocks(shape)
+        key = (shape.op, shape.features, shape.rank, shape.dtype, blocks.token_block)
         if key in seen:
             continue
         seen.add(key)
-        blocks = kernel_blocks(shape.op, shape.features, shape.rank, shape.dtype)
         needed = vmem.required_limit_bytes(blocks.vmem_bytes)
         if needed > ceiling_bytes:
             raise ValueError(

@@ -22,18 +22,18 @@ import jax.numpy as jnp
 
 from vllm_tpu_lora.ops import bgmv_pallas
 from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
-from vllm_tpu_lora.ops.block_sizes import kernel_blocks, pallas_compute_dtype
-from vllm_tpu_lora.ops.kernel_shapes import OPS, KernelShape, kernel_shapes
+from vllm_tpu_lora.ops.block_sizes import pallas_compute_dtype
+from vllm_tpu_lora.ops.kernel_shapes import OPS, KernelShape, kernel_shapes, shape_blocks
 
 __all__ = ["KernelShape", "export_for_tpu", "export_shape", "kernel_call", "kernel_shapes"]
 
 
 def kernel_call(shape: KernelShape):
     """(jax function of arrays only, its argument ShapeDtypeStructs) for one shape,
-    with the blocks the torch wrappers pick (block_sizes.kernel_blocks); the kernels
+    with the blocks the torch wrappers pick (kernel_shapes.shape_blocks); the kernels
     derive their vmem_limit_bytes from those blocks (ops/vmem.py)."""
     dtype = jnp.dtype(pallas_compute_dtype(shape.dtype))  # float16 runs in float32
-    block, tile = kernel_blocks(shape.op, shape.features, shape.rank, shape.dtype)[:2]
+    block, tile = shape_blocks(shape)[:2]
     t_pad = padded_num_tokens(shape.num_tokens, shape.num_slots, block)
     n, f, r = shape.num_slots, shape.features, shape.rank
     slots = jax.ShapeDtypeStruct((t_pad // block,), jnp.int32)

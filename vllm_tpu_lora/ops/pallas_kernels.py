@@ -145,7 +145,7 @@ def shrink_kernel(
     """
     (t_pad, d), d_w = xs.shape, lora_a.shape[2]
     if block_d is None:
-        block_d = kernel_blocks("shrink", d, lora_a.shape[1], xs.dtype).feature_block
+        block_d = kernel_blocks("shrink", d, lora_a.shape[1], xs.dtype, block).feature_block
     if d_w != d or block_slot.shape != (t_pad // max(block, 1),):
         raise ValueError(
             f"shrink_kernel: xs {xs.shape}, lora_a {lora_a.shape}, block_slot "
@@ -223,7 +223,7 @@ def expand_kernel(
     """
     (t_pad, rank), (o, rank_w) = ys.shape, lora_b.shape[1:]
     if block_o is None:
-        block_o = kernel_blocks("expand", o, rank, ys.dtype).feature_block
+        block_o = kernel_blocks("expand", o, rank, ys.dtype, block).feature_block
     if rank_w != rank or block_slot.shape != (t_pad // max(block, 1),):
         raise ValueError(
             f"expand_kernel: ys {ys.shape}, lora_b {lora_b.shape}, block_slot "
