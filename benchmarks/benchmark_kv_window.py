@@ -25,7 +25,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_throughput import add_model_args, apply_small, make_model, make_workload  # noqa: E402
-from step_timing import timed  # noqa: E402
+from step_timing import timed_generate  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,18 +56,6 @@ def build(model_dir: str, args, max_model_len: int, one_window: bool):
         buckets.KV_MIN_WINDOW = saved
 
 
-def run(llm, work) -> dict:
-    from vllm_tpu_lora import SamplingParams
-
-    prompts = [{"prompt_token_ids": p} for p, _ in work]
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
-    row = timed(llm, lambda: llm.generate(prompts, params, use_tqdm=False))
-    outs = row.pop("_result")
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"output_tokens_per_s": n_out / row["elapsed_s"], **row,
-            "outputs": [o.outputs[0].token_ids for o in outs]}
-
-
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     work = make_workload(args)
@@ -81,7 +69,7 @@ def main(argv=None) -> list[dict]:
             results = {name: [] for name in llms}
             for _ in range(args.rounds):
                 for name, llm in llms.items():
-                    results[name].append(run(llm, work))
+                    results[name].append(timed_generate(llm, work, keep_outputs=True))
             best = {name: max(r, key=lambda x: x["output_tokens_per_s"])
                     for name, r in results.items()}
             same = sum(a == b for a, b in zip(best["one_window"].pop("outputs"),

@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_throughput import add_model_args, apply_small, make_model, make_workload  # noqa: E402
-from step_timing import timed  # noqa: E402
+from step_timing import timed_generate  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -81,18 +81,6 @@ def make_adapters(model_dir: str, out_root: str, n: int, rank: int) -> list[str]
 
     return [make_peft_adapter(model_dir, os.path.join(out_root, f"lora{i}"), r=rank,
                               lora_alpha=2 * rank, seed=i, init_std=0.02) for i in range(n)]
-
-
-def timed_generate(llm, work, loras) -> dict:
-    from vllm_tpu_lora import SamplingParams
-
-    prompts = [{"prompt_token_ids": p} for p, _ in work]
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
-    row = timed(llm, lambda: llm.generate(prompts, params, lora_request=loras, use_tqdm=False))
-    outs = row.pop("_result")
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"requests_per_s": len(work) / row["elapsed_s"],
-            "output_tokens_per_s": n_out / row["elapsed_s"], **row}
 
 
 def engine(model_dir: str, args, **kwargs):

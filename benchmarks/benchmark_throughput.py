@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import torch
-from step_timing import timed
+from step_timing import timed_generate
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -74,25 +74,19 @@ def make_workload(args) -> list[tuple[list[int], int]]:
 
 
 def run_engine(model_dir: str, work, args) -> dict:
-    from vllm_tpu_lora import LLM, SamplingParams
+    from vllm_tpu_lora import LLM
 
     max_len = args.prompt_len[1] + args.output_len[1]
     t0 = time.perf_counter()
     llm = LLM(model_dir, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
               max_num_batched_tokens=args.max_num_batched_tokens)
     startup = time.perf_counter() - t0
-    prompts = [{"prompt_token_ids": p} for p, _ in work]
-    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
-    row = timed(llm, lambda: llm.generate(prompts, params, use_tqdm=False))
-    outs, elapsed = row.pop("_result"), row["elapsed_s"]
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    row = timed_generate(llm, work, keep_outputs=True)
     stats = llm.llm_engine.stats()
-    return {"name": "vllm_tpu_lora", "requests_per_s": len(work) / elapsed,
-            "output_tokens_per_s": n_out / elapsed, **row,
+    return {"name": "vllm_tpu_lora", **row,
             "startup_s": startup, "warmup_s": stats["warmup_seconds"],
             "num_graphs": stats["num_graphs"],
-            "compilations_after_warmup": stats["compilations_after_warmup"],
-            "output_tokens": n_out, "outputs": [o.outputs[0].token_ids for o in outs]}
+            "compilations_after_warmup": stats["compilations_after_warmup"]}
 
 
 def run_hf(model_dir: str, work, args) -> dict:

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_lora import make_adapters  # noqa: E402
 from benchmark_throughput import add_model_args, apply_small, make_model, make_workload  # noqa: E402
-from step_timing import timed  # noqa: E402
+from step_timing import timed_generate  # noqa: E402
 
 PEFT_BASE = "__base__"
 
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_engine(model_dir, paths, work, args) -> tuple[dict, list]:
-    from vllm_tpu_lora import LLM, LoRARequest, SamplingParams
+    from vllm_tpu_lora import LLM, LoRARequest
 
     n = len(paths)
     llm = LLM(model_dir, enable_lora=True, max_loras=min(n, 16), max_cpu_loras=n,
@@ -53,13 +53,10 @@ def run_engine(model_dir, paths, work, args) -> tuple[dict, list]:
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.prompt_len[1] + args.output_len[1])
     reqs = [LoRARequest(f"lora{i}", i + 1, p) for i, p in enumerate(paths)]
-    row = timed(llm, lambda: llm.generate(
-        [{"prompt_token_ids": p} for p, _ in work],
-        [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work],
-        lora_request=[reqs[i % n] for i in range(len(work))], use_tqdm=False))
-    tokens = [o.outputs[0].token_ids for o in row.pop("_result")]
-    return {"output_tokens_per_s": sum(map(len, tokens)) / row["elapsed_s"], **row,
-            "compilations_after_warmup": llm.llm_engine.stats()["compilations_after_warmup"]}, tokens
+    row = timed_generate(llm, work, [reqs[i % n] for i in range(len(work))], keep_outputs=True)
+    tokens = row.pop("outputs")
+    return {**row, "compilations_after_warmup":
+            llm.llm_engine.stats()["compilations_after_warmup"]}, tokens
 
 
 def _peft_generate(model, batch, names=None) -> list[list[int]]:

@@ -44,3 +44,20 @@ def timed(llm, fn) -> dict:
             # The run's steps per forward graph, "T<tokens>/S<slots>/<LoRA strategy>".
             "forward_graph_steps": {k: n for k, n in sorted(graphs.items()) if n},
             "_result": result}
+
+
+def timed_generate(llm, work, lora_request=None, keep_outputs: bool = False) -> dict:
+    """Greedy generate of `work` ([(prompt token ids, output length)], ignore_eos) on
+    `llm`, timed by `timed`: a JSON row of its timing fields plus requests/s and output
+    tokens/s; keep_outputs adds each request's token ids under "outputs"."""
+    from vllm_tpu_lora import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
+    row = timed(llm, lambda: llm.generate(prompts, params, lora_request=lora_request,
+                                          use_tqdm=False))
+    outputs = [o.outputs[0].token_ids for o in row.pop("_result")]
+    n_out = sum(map(len, outputs))
+    row = {"requests_per_s": len(work) / row["elapsed_s"],
+           "output_tokens_per_s": n_out / row["elapsed_s"], **row, "output_tokens": n_out}
+    return {**row, "outputs": outputs} if keep_outputs else row
