@@ -17,7 +17,7 @@ import torch
 from vllm_tpu_lora import ops, platform
 from vllm_tpu_lora.ops import bgmv_pallas, bgmv_xla
 from vllm_tpu_lora.ops.bgmv_ref import bgmv_expand_slice_ref, bgmv_shrink_ref
-from vllm_tpu_lora.ops.block_sizes import token_block
+from vllm_tpu_lora.ops.block_sizes import pallas_token_blocks, token_block
 from vllm_tpu_lora.ops.testing import assert_close, make_case
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -105,6 +105,22 @@ def test_pallas_larger_step_blocks(t, r, n, dtype, dist, block):
         assert_close(out, ref, dtype)
     pad = case.idx < 0
     assert (outs[0].cpu()[pad] == 0).all()
+
+
+def test_pallas_token_block_follows_rows_per_slot():
+    """The step's Pallas token block never shrinks for more tokens nor grows for more
+    slots, is one of the blocks the VMEM checks cover, and leaves the xla path alone."""
+    tokens, slots = [2**i for i in range(4, 13)], [1, 2, 4, 8, 16, 32]
+    for dtype in (F32, BF16, torch.float16):
+        base, allowed = token_block(dtype, "pallas"), set(pallas_token_blocks(dtype))
+        grid = [[token_block(dtype, "pallas", t, s) for t in tokens] for s in slots]
+        for row in grid:
+            assert row == sorted(row) and set(row) <= allowed
+        for fewer, more in zip(grid, grid[1:]):
+            assert all(a >= b for a, b in zip(fewer, more))
+        assert grid[-1][0] == base == min(allowed)  # 16 tokens over 32 slots: decode
+        assert {b for row in grid for b in row} == allowed  # every block is reachable
+        assert token_block(dtype, "xla", 4096, 1) == token_block(dtype, "xla")
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
