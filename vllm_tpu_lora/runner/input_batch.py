@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_tpu_lora.engine.block_manager import NULL_BLOCK
+from vllm_tpu_lora.engine.block_manager import NULL_BLOCK, blocks_needed
 from vllm_tpu_lora.engine.scheduler import ScheduledSeq
 
 MAX_BLOCKED_IDS = 8  # EOS + stop_token_ids masked out while min_tokens is not reached
@@ -126,7 +126,7 @@ def _query_blocks(a: dict, first_block: int, rows: range, pos: np.ndarray, seq_r
 
 def kv_window_blocks(scheduled: list[ScheduledSeq], block_size: int) -> int:
     """KV blocks the step's longest sequence holds after this step (at least 1)."""
-    return max([-(-(s.start + s.num_tokens) // block_size) for s in scheduled] + [1])
+    return max([blocks_needed(s.start + s.num_tokens, block_size) for s in scheduled] + [1])
 
 
 def prepare_step(scheduled: list[ScheduledSeq], t_bucket: int, r_bucket: int,
