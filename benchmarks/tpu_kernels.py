@@ -11,8 +11,9 @@ Prints one JSON row per measurement:
   blocks) against a float64 numpy reference; max error relative to the reference's RMS.
 - vmem: every (op, width, rank, dtype, token block) of a set of real model widths
   compiled by Mosaic with the blocks `block_sizes.kernel_blocks` picks (so the VMEM
-  estimate's explicit limits are exercised), plus a probe: the largest legal tile under Mosaic's default
-  limit, whether or not the estimate allowed it (how conservative ops/vmem.py is).
+  estimate's explicit limits are exercised), plus a probe: the largest legal tile under
+  Mosaic's default limit, whether or not the estimate allowed it (how conservative
+  ops/vmem.py is).
 - bench: one LoRA linear's delta (shrink + expand) per strategy against the base
   matmul of the same linear, device time per call (k distinct inputs per dispatch).
 - blocks: the Pallas delta per token block B (the table's block for the dtype, then

@@ -2,10 +2,9 @@
 
 Two graphs per step: the model forward keyed by (token bucket, LoRA-slot bucket, attention
 window bucket), which ends by picking the last hidden row of up to max_num_seqs
-sequences, and logits +
-sampling keyed by the request bucket and whether the step is all greedy without top
-logprobs (vLLM's all-greedy fast path: argmax only, no filters, noise or topk). Graph
-counts add instead of multiply.
+sequences, and logits + sampling keyed by the request bucket and whether the step is all
+greedy without top logprobs (vLLM's all-greedy fast path: argmax only, no filters, noise
+or topk). Graph counts add instead of multiply.
 Inputs are prepared on the host in numpy and moved once; the sampler's results come
 back in one packed transfer.
 """
