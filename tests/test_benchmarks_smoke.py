@@ -72,6 +72,34 @@ def test_tpu_kernel_script_runs_without_torch():
     assert [blocks[f"B{b}_ms"] > 0 for b in (16, 32, 64, 128)] == [True] * 4, blocks
 
 
+def test_tpu_lora_layer_script_runs_without_torch():
+    """benchmarks/tpu_lora_layer.py (also for the JAX-only TPU host): with torch made
+    unimportable, its interpreter smoke run checks both compositions of a packed and a
+    plain LoRA linear against float64 numpy in float32 and bfloat16, and its layer row
+    carries each composition's delta and ratio."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "tpu_lora_layer.py")
+    code = ("import runpy, sys; sys.modules['torch'] = None; "
+            f"sys.path.insert(0, {os.path.dirname(script)!r}); "
+            f"sys.argv = [{script!r}, '--interpret', '--quick', '--k', '2', '--reps', '1']; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    checks = [r for r in rows if r["part"] == "layer_check"]
+    assert {(r["linear"], r["dtype"]) for r in checks} == {
+        (lin, dt) for lin in ("qkv_proj", "down_proj") for dt in ("float32", "bfloat16")}
+    assert all(r["ok"] for r in checks), checks
+    (layer,) = [r for r in rows if r["part"] == "layer"]
+    for what in ("base", "per_slice", "dense"):
+        assert layer[f"layer_{what}_ms"] > 0, layer
+    assert 0 < layer["ratio_dense"] < 1 and 0 < layer["ratio_per_slice"] < 1, layer
+
+
 def test_replay_buckets_small_replays_slots_and_fallback_graphs():
     """The per-bucket replay runs on the engine's own captured graphs: the 64-token bucket
     over both slots has a slots graph and a fallback graph, and replaying them compiles

@@ -1,0 +1,231 @@
+"""A decoder layer's LoRA linears on a real TPU, composed as the engine composes them:
+the Pallas path (lora_backend="pallas": per slice of a packed layer a gather into
+segment order, the shrink and expand kernels, a scatter back) and the xla backend's
+"dense" strategy (one-hot over every slot in token order, two dense products per
+slice, no gather of rows or weights), next to the base matmuls of the same linears.
+
+JAX only, like benchmarks/tpu_kernels.py (whose kernel loader and device timer it
+uses); the compositions mirror ops/bgmv_pallas.py's and lora/punica.py's torch ops:
+
+    python benchmarks/tpu_lora_layer.py                      # Mosaic on the chip
+    python benchmarks/tpu_lora_layer.py --interpret --quick  # any host
+
+Rows: part "layer_check" (both compositions against a float64 reference, NaN in an
+unused slot for the Pallas path), part "layer" (device ms per layer: base matmuls of
+the four linears, each composition's LoRA delta, and base / (base + delta), the
+linears-only ratio: attention and norms, which LoRA leaves alone, bring a model's
+ratio closer to 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import numpy as np
+from tpu_kernels import _device_ms, emit, load_kernels
+
+# Llama-3-8B's LoRA linears: (name, in_features, output slices).
+LLAMA3_8B = (("qkv_proj", 4096, (4096, 1024, 1024)), ("o_proj", 4096, (4096,)),
+             ("gate_up_proj", 4096, (14336, 14336)), ("down_proj", 14336, (4096,)))
+QUICK = (("qkv_proj", 256, (256, 128, 128)), ("down_proj", 384, (256,)))
+
+
+def segment_arrays(bs, token_slot, n, block):
+    """The engine's segment layout (lora/step_layout.py) in numpy: perm [T_pad], dest
+    [T], token_valid [T], block_slot [T_pad/B], row_valid [T_pad]; tokens sorted by
+    slot, runs padded to B."""
+    t = token_slot.size
+    t_pad = bs.padded_num_tokens(t, n, block)
+    perm = np.zeros(t_pad, np.int32)
+    dest = np.zeros(t, np.int32)
+    block_slot = np.full(t_pad // block, -1, np.int32)
+    row = 0
+    for s in range(n):
+        toks = np.flatnonzero(token_slot == s)
+        if toks.size == 0:
+            continue
+        perm[row: row + toks.size] = toks
+        dest[toks] = row + np.arange(toks.size)
+        nb = -(-toks.size // block)
+        block_slot[row // block: row // block + nb] = s
+        row += nb * block
+    row_valid = np.zeros(t_pad, bool)
+    row_valid[dest[token_slot >= 0]] = True
+    return perm, dest, token_slot >= 0, block_slot, row_valid, token_slot
+
+
+def compositions(pk, jnp, block, interpret, precision="default"):
+    shrink = functools.partial(pk.shrink_kernel, block=block, interpret=interpret,
+                               precision=precision)
+    expand = functools.partial(pk.expand_kernel, block=block, interpret=interpret,
+                               precision=precision)
+
+    def scatter(y, zs, dest, valid, offset):
+        delta = jnp.where(valid[:, None], zs[dest], 0).astype(y.dtype)
+        return y.at[:, offset: offset + zs.shape[1]].add(delta)
+
+    def per_slice(x, y, lay, a_s, b_s):
+        # bgmv_pallas.segment_shrink's scale (ones: scales are folded into B) and row
+        # mask, then the expand and bgmv_xla.scatter_back, per slice.
+        perm, dest, valid, slots, row_valid = lay[:5]
+        offset = 0
+        ones = jnp.ones(a_s[0].shape[0], jnp.float32)
+        for a, b in zip(a_s, b_s):
+            ys = shrink(slots, x[perm], a)
+            scale = jnp.repeat(ones[jnp.maximum(slots, 0)], block)[:, None]
+            ys = jnp.where(row_valid[:, None], ys.astype(jnp.float32) * scale, 0).astype(x.dtype)
+            y = scatter(y, expand(slots, ys, b), dest, valid, offset)
+            offset += b.shape[1]
+        return y
+
+    def dense(x, y, lay, at_s, bt_s):
+        """The xla backend's "dense" strategy (PunicaWrapper._dense_linear): per slice,
+        x times every slot's A (at_s: [N, D, R]) masked to each token's slot, then that
+        [T, N*R] times every slot's B (bt_s: [N, R, O] viewed [N*R, O]); token order, no
+        weight copy, no row gather or scatter."""
+        valid, token_slot = lay[2], lay[5]
+        n_slots = at_s[0].shape[0]
+        onehot = (token_slot[:, None] == jnp.arange(n_slots)[None, :]) & valid[:, None]
+        deltas = []
+        for at, bt in zip(at_s, bt_s):
+            xa = jnp.einsum("td,ndr->tnr", x, at) * onehot[:, :, None].astype(x.dtype)
+            deltas.append(jnp.dot(xa.reshape(x.shape[0], -1), bt.reshape(-1, bt.shape[2]),
+                                  preferred_element_type=jnp.float32))
+        return (y.astype(jnp.float32) + jnp.concatenate(deltas, axis=1)).astype(y.dtype)
+
+    return per_slice, dense
+
+
+def make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot=None):
+    a_s = [rng.standard_normal((n, r, d)) / np.sqrt(d) for _ in sizes]
+    b_s = [rng.standard_normal((n, o, r)) / np.sqrt(r) for o in sizes]
+    if nan_slot is not None:
+        for w in (*a_s, *b_s):
+            w[nan_slot] = np.nan
+    return [jnp.asarray(w, jt) for w in a_s], [jnp.asarray(w, jt) for w in b_s]
+
+
+def transposed(jnp, a_s, b_s, nan_slot=None):
+    """A as [N, D, R] and B as [N, R, O] (the xla backend's slot layout); a NaN slot's
+    weights are zeroed there, as the dense products would spread them (the engine's
+    slot buffers hold only finite values: unused slots are zero)."""
+    at_s = [jnp.swapaxes(a, 1, 2) for a in a_s]
+    bt_s = [jnp.swapaxes(b, 1, 2) for b in b_s]
+    if nan_slot is not None:
+        at_s = [w.at[nan_slot].set(0) for w in at_s]
+        bt_s = [w.at[nan_slot].set(0) for w in bt_s]
+    return at_s, bt_s
+
+
+def jax_precision(precision):
+    import jax
+
+    return jax.default_matmul_precision({"default": "bfloat16", "highest": "float32"}[precision])
+
+
+def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
+    """Fused and per-slice deltas of every linear against float64 numpy."""
+    rng = np.random.default_rng(t + n)
+    jt = jnp.dtype(dtype)
+    block = bs.token_block(dtype, "pallas", t, n)
+    used = [s for s in range(n) if s != 1] if n > 1 else [0]
+    token_slot = rng.choice(used + [-1], size=t).astype(np.int32)  # -1: base-model tokens
+    lay_np = segment_arrays(bs, token_slot, n, block)
+    lay = tuple(jnp.asarray(v) for v in lay_np)
+    precision = "highest" if dtype == "float32" else "default"
+    per_slice, dense = compositions(pk, jnp, block, interpret, precision)
+    for name, d, sizes in linears:
+        a_s, b_s = make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot=1 if n > 1 else None)
+        x = jnp.asarray(rng.standard_normal((t, d)), jt)
+        y = jnp.zeros((t, sum(sizes)), jt)
+        got_p = np.asarray(per_slice(x, y, lay, a_s, b_s).astype(jnp.float32), np.float64)
+        at_s, bt_s = transposed(jnp, a_s, b_s, nan_slot=1 if n > 1 else None)
+        with jax_precision(precision):
+            got_d = np.asarray(dense(x, y, lay, at_s, bt_s).astype(jnp.float32), np.float64)
+        x64 = np.asarray(x.astype(jnp.float32), np.float64)
+        ref = np.zeros_like(got_p)
+        for tok, s in enumerate(token_slot):
+            if s >= 0:
+                ref[tok] = np.concatenate([
+                    x64[tok] @ np.asarray(a[s].astype(jnp.float32), np.float64).T
+                    @ np.asarray(b[s].astype(jnp.float32), np.float64).T
+                    for a, b in zip(a_s, b_s)])
+        rms = float(np.sqrt(np.mean(ref ** 2))) or 1.0
+        errs = {what: float(np.max(np.abs(got - ref))) / rms
+                for what, got in (("per_slice", got_p), ("dense", got_d))}
+        base_rows_zero = bool(np.all(got_p[token_slot < 0] == 0)
+                              and np.all(got_d[token_slot < 0] == 0))
+        finite = bool(np.isfinite(got_p).all() and np.isfinite(got_d).all())
+        tol = 1e-4 if dtype == "float32" else 4e-2
+        emit(dict(part="layer_check", linear=name, T=t, N=n, R=r, dtype=dtype, block=block,
+                  **{f"{what}_rel_err": err for what, err in errs.items()},
+                  base_rows_zero=base_rows_zero, finite=finite,
+                  ok=bool(max(errs.values()) < tol and base_rows_zero and finite)))
+
+
+def layer_bench(pk, bs, jax, jnp, linears, t, n, r, dtype, k_max, reps, interpret):
+    rng = np.random.default_rng(0)
+    jt = jnp.dtype(dtype)
+    block = bs.token_block(dtype, "pallas", t, n)
+    token_slot = rng.integers(0, n, size=t).astype(np.int32)  # every token on an adapter
+    lay = tuple(jnp.asarray(v) for v in segment_arrays(bs, token_slot, n, block))
+    per_slice, dense = compositions(pk, jnp, block, interpret)
+    row = dict(part="layer", T=t, N=n, R=r, dtype=dtype, block=block)
+    totals = dict(base=0.0, per_slice=0.0, dense=0.0)
+    for name, d, sizes in linears:
+        a_s, b_s = make_adapters(jnp, rng, n, d, sizes, r, jt)
+        at_s, bt_s = transposed(jnp, a_s, b_s)
+        w = jnp.asarray(rng.standard_normal((d, sum(sizes))) / np.sqrt(d), jt)
+        k = int(max(4, min(k_max, (1 << 30) // (t * (d + sum(sizes)) * jt.itemsize))))
+        xs = jnp.asarray(rng.standard_normal((k, t, d)), jt)
+        y0 = jnp.zeros((t, sum(sizes)), jt)
+        fns = {"base": (lambda x, w: x @ w, (w,)),
+               "per_slice": (lambda x, a, b, y0=y0: per_slice(x, y0, lay, a, b), (a_s, b_s)),
+               "dense": (lambda x, a, b, y0=y0: dense(x, y0, lay, a, b), (at_s, bt_s))}
+        for what, (fn, rest) in fns.items():
+            ms = _device_ms(jax, fn, xs, rest, reps)
+            row[f"{name}_{what}_ms"] = round(ms, 4)
+            totals[what] += ms
+    for what, ms in totals.items():
+        row[f"layer_{what}_ms"] = round(ms, 4)
+    for what in ("per_slice", "dense"):
+        row[f"ratio_{what}"] = round(totals["base"] / (totals["base"] + totals[what]), 3)
+    emit(row)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="check,bench")
+    p.add_argument("--interpret", action="store_true", help="Pallas interpreter (no TPU)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes only (a smoke run)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024])
+    p.add_argument("--slots", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--ranks", type=int, nargs="+", default=[16])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--k", type=int, default=32, help="most inputs per dispatch")
+    p.add_argument("--reps", type=int, default=10)
+    args = p.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    pk, bs = load_kernels()
+    dev = jax.devices()[0]
+    emit(dict(part="env", jax=jax.__version__, device=str(dev.device_kind),
+              platform=dev.platform, interpret=args.interpret))
+    linears = QUICK if args.quick else LLAMA3_8B
+    parts = args.parts.split(",")
+    if "check" in parts:
+        for t, n in (((24, 3),) if args.quick else ((16, 1), (48, 4), (300, 8))):
+            for dtype in ("float32", "bfloat16"):
+                layer_check(pk, bs, jnp, linears, t, n, 16, dtype, args.interpret)
+    if "bench" in parts:
+        grid = [(16, 2, 16)] if args.quick else [
+            (t, n, r) for r in args.ranks for t in args.tokens for n in args.slots]
+        for t, n, r in grid:
+            layer_bench(pk, bs, jax, jnp, linears, t, n, r, args.dtype, args.k, args.reps,
+                        args.interpret)
+
+
+if __name__ == "__main__":
+    main()
