@@ -58,8 +58,10 @@ def _check(outs, expected, names, what):
         np.testing.assert_allclose(lps, exp.logprobs, atol=1e-4, rtol=0, err_msg=f"{what} {name}")
 
 
-# 64-token steps: the xla slots strategy's graphs (embedding LoRA, bias and DoRA included)
-@pytest.mark.parametrize("backend,batched_tokens", [("xla", 32), ("pallas", 32), ("xla", 64)])
+# 64-token steps: the xla slots strategy's graphs (embedding LoRA, bias and DoRA included);
+# "dense": the xla backend's strategy table as on a TPU (every graph one-hot over all slots)
+@pytest.mark.parametrize("backend,batched_tokens", [("xla", 32), ("pallas", 32), ("xla", 64),
+                                                    ("dense", 32)])
 def test_mixed_batch_with_embedding_and_lm_head_lora_matches_peft(setup, backend,
                                                                    batched_tokens):
     arch, model_dir, adapters, oracle = setup
@@ -68,9 +70,13 @@ def test_mixed_batch_with_embedding_and_lm_head_lora_matches_peft(setup, backend
     names = [(None, *KINDS)[i % (len(KINDS) + 1)] for i in range(14)]
     expected = hf_greedy(oracle, prompts, MAX_NEW, adapter_names=names)
     # 6 adapters over 3 slots: adapters load, evict and come back during the run.
-    llm = LLM(model_dir, max_loras=3, lora_backend=backend,
+    llm = LLM(model_dir, max_loras=3, lora_backend="xla" if backend == "dense" else backend,
+              precompile=backend != "dense",
               **{**ENGINE, "max_num_batched_tokens": batched_tokens})
     punica, slot_steps = llm.llm_engine.runner.punica, []
+    if backend == "dense":  # capture the graphs with the TPU's table
+        punica.on_tpu = True
+        llm.llm_engine.runner.precompile()
     plan_step = punica.plan_step
     punica.plan_step = lambda *a, **k: _note_slots(plan_step(*a, **k), slot_steps)
     reqs = _requests(adapters)
@@ -88,6 +94,9 @@ def test_mixed_batch_with_embedding_and_lm_head_lora_matches_peft(setup, backend
     assert stats["compilations_after_warmup"] == 0
     assert sum(a["slot_evictions"] for a in stats["loras"].values()) > 0
     assert bool(slot_steps) == (backend == "xla" and batched_tokens == 64), len(slot_steps)
+    kinds = {key.rsplit("/", 1)[1] for key in stats["forward_graph_steps"]}
+    if backend == "dense":
+        assert kinds <= {"base", "dense"} and "dense" in kinds, kinds
 
 
 def _note_slots(plan: dict, slot_steps: list) -> dict:

@@ -20,7 +20,7 @@ MAX_LORAS, RANK, DIM, SLICES = 20, 8, 64, [64, 32, 32]
     ("single", 1, 16, DIM), ("onehot", 4, 16, DIM), ("gathered", 8, 32, DIM),
     ("gathered", 16, 64, DIM), ("gathered", 8, 32, 40),  # 40: not a multiple of the vector width
     ("grouped", 16, 64, DIM), ("grouped", 8, 256, DIM), ("slots", 8, 32, DIM),
-    ("slots", 16, 64, 40)])
+    ("slots", 16, 64, 40), ("dense", 4, 16, DIM), ("dense", 16, 64, 40)])
 def test_strategy_matches_reference(strategy, num_slots, num_tokens, dim):
     rng = np.random.default_rng(num_slots * 100 + num_tokens)
     gen = torch.Generator().manual_seed(num_tokens)
@@ -117,3 +117,21 @@ def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
         assert not step_layout.slots_fit(token_pos, 16)
     _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_b, x=torch.randn(
         num_tokens, DIM, generator=gen), y0=torch.randn(num_tokens, sum(SLICES), generator=gen))
+
+
+def test_tpu_backend_rule_and_dense_table(monkeypatch):
+    """lora_backend="auto": the xla backend off a TPU; on a TPU the xla backend's dense
+    strategy in every graph up to max_loras * max_lora_rank = 256 (measured range,
+    benchmarks/tpu_lora_layer.py), Pallas beyond; an explicit backend stands."""
+    from vllm_tpu_lora.lora import punica as punica_mod
+
+    assert punica_mod.resolve_lora_backend("auto", 64, 64) == "xla"  # not a TPU here
+    monkeypatch.setattr(punica_mod.platform, "is_tpu", lambda: True)
+    assert punica_mod.resolve_lora_backend("auto", 16, 16) == "xla"
+    assert punica_mod.resolve_lora_backend("auto", 16, 32) == "pallas"
+    assert punica_mod.resolve_lora_backend("xla", 64, 64) == "xla"
+    punica = PunicaWrapper("xla", fuse_slices=True)
+    punica.max_loras = 16
+    assert punica.on_tpu
+    for t, s in ((16, 1), (16, 8), (64, 16), (256, 16), (512, 4)):
+        assert punica.xla_strategy(t, s) == "dense", (t, s)

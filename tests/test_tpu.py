@@ -89,7 +89,9 @@ def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
     assert llm.llm_engine.stats()["compilations_after_warmup"] == 0
 
 
-def test_multi_lora_generation_on_mosaic_kernel_matches_peft(llama_dir, tmp_path_factory):
+# "auto" on a TPU with 4 slots x rank 16: the xla backend's dense strategy (step_layout)
+@pytest.mark.parametrize("backend", ["pallas", "auto"])
+def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, backend):
     from vllm_tpu_lora.testing.factory import make_peft_adapter
     from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
 
@@ -102,13 +104,17 @@ def test_multi_lora_generation_on_mosaic_kernel_matches_peft(llama_dir, tmp_path
     prompts = [rng.integers(3, 500, size=int(rng.integers(2, 50))).tolist() for _ in range(8)]
     picks = [[*specs, None][i % 4] for i in range(8)]
     llm = LLM(llama_dir, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
-              lora_backend="pallas", **SMALL_ENGINE)
+              lora_backend=backend, **SMALL_ENGINE)
+    assert llm.llm_engine.runner.punica.backend == ("pallas" if backend == "pallas" else "xla")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=[reqs[n] if n else None for n in picks])
     expected = hf_greedy(load_oracle_model(llama_dir, paths), prompts, MAX_NEW, adapter_names=picks)
     for out, exp in zip(outs, expected):
         _assert_greedy_close(out.outputs[0].token_ids, exp)
-    assert llm.llm_engine.stats()["compilations_after_warmup"] == 0
+    stats = llm.llm_engine.stats()
+    assert stats["compilations_after_warmup"] == 0
+    kinds = {key.rsplit("/", 1)[1] for key in stats["forward_graph_steps"]}
+    assert kinds - {"base"} == ({"pallas"} if backend == "pallas" else {"dense"}), kinds
 
 
 def test_no_recompilation_on_tpu_while_adapters_swap(llama_dir, tmp_path_factory):

@@ -77,12 +77,13 @@ class LLMEngine:
         """Wrap the model's linears with LoRA layers (from outside: the model stays plain)."""
         from vllm_tpu_lora.lora.layers import wrap_lora_layers
         from vllm_tpu_lora.lora.manager import LoRAManager
-        from vllm_tpu_lora.lora.punica import PunicaWrapper
+        from vllm_tpu_lora.lora.punica import PunicaWrapper, resolve_lora_backend
 
         lc = self.config.lora_config
         lora_dtype = dtype if lc.lora_dtype == "auto" else resolve_dtype(lc.lora_dtype)
-        punica = PunicaWrapper(self.tp.lora_backend(lc.lora_backend) if self.tp else lc.lora_backend,
-                               fuse_slices=self.tp is None)
+        backend = (self.tp.lora_backend(lc.lora_backend) if self.tp else
+                   resolve_lora_backend(lc.lora_backend, lc.max_loras, lc.max_lora_rank))
+        punica = PunicaWrapper(backend, fuse_slices=self.tp is None)
         punica.slot_vectors = lc.enable_lora_bias or lc.enable_dora
         punica.max_loras = lc.max_loras
         layers = wrap_lora_layers(model, punica, lc.max_loras, lc.max_lora_rank, lora_dtype,

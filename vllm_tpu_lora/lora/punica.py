@@ -15,9 +15,13 @@ product fastest over a non-minor axis, where the output's minor axis vectorises,
 batched and one-hot matmuls then read B with the rank axis first, as they contract it.
 A packed layer
 (qkv, gate_up) shrinks once over its slices' concatenated A (vLLM's fused slices; the
-slots strategy instead runs one matmul per slice, as concatenating would copy every
-slot's weights) and scatters its concatenated deltas back once:
-  - xla, per graph (T, S) by measurement (lora/step_layout.py): from 64 tokens, where S
+slots and dense strategies and the Pallas path instead run one product per slice, as
+concatenating would copy every slot's weights) and adds its concatenated deltas once:
+  - xla on a TPU, every graph "dense": both products one-hot over every device slot in
+    token order (no gather of rows or weights, no scatter back), which measured faster
+    there than the Pallas path in every bucket while max_loras * max_lora_rank <= 256
+    (step_layout.TPU_DENSE_MAX_SLOT_RANKS; "auto" picks this backend on a TPU only then).
+  - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64 tokens, where S
     is above half of max_loras, "slots": each adapter's tokens in its own device slot's
     rows, one batched matmul per slice over the buffers as they lie (every slot's weights
     read once, none copied), with the bucket's other strategy as a second graph for the
@@ -29,7 +33,9 @@ slot's weights) and scatters its concatenated deltas back once:
     grouped matmul on the step's segment layout, tokens grouped by adapter and runs
     padded to a token block B, FLOPs T_pad*R*(D+O), is there when forced.)
   - pallas: the Pallas kernels on the segment layout, the block -> slot map scalar-
-    prefetched, so each block's BlockSpec fetches its adapter straight from the buffers.
+    prefetched, so each block's BlockSpec fetches its adapter straight from the buffers;
+    per slice, a gather of x into segment order before and a scatter of the output back
+    to token order after (what costs most on a TPU, benchmarks/tpu_lora_layer.py).
 Tensor parallel: per-slice ops on the active slots' weights, so each slice stays sharded
 like its lora_b (see lora/layers.py `forward_slices`); the layout is built on the device.
 """
@@ -45,6 +51,18 @@ from vllm_tpu_lora.ops.block_sizes import token_block
 from vllm_tpu_lora.runner import buckets
 
 
+def resolve_lora_backend(requested: str, max_loras: int, max_rank: int) -> str:
+    """The LoRA backend of a single-device engine: "auto" is the xla backend off a TPU;
+    on a TPU it is too (its dense strategy) while max_loras * max_lora_rank is within
+    step_layout.TPU_DENSE_MAX_SLOT_RANKS, where that measured faster than the Pallas
+    path in every bucket, and "pallas" above it. An explicit choice stands."""
+    if requested != "auto":
+        return ops.resolve_backend(requested)
+    if platform.is_tpu() and max_loras * max_rank > step_layout.TPU_DENSE_MAX_SLOT_RANKS:
+        return "pallas"
+    return "xla"
+
+
 class PunicaWrapper:
     def __init__(self, backend: str, fuse_slices: bool = False) -> None:
         self.backend = ops.resolve_backend(backend)
@@ -52,7 +70,8 @@ class PunicaWrapper:
         # xla backend: None picks per graph (xla_strategy); benchmarks force one.
         self.force_strategy: str | None = None
         self.force_block: int | None = None
-        self.max_loras = 0  # device slots: the slots strategy reads all of them
+        self.max_loras = 0  # device slots: the slots and dense strategies read all of them
+        self.on_tpu = platform.is_tpu()  # the xla strategy table differs there
         self.num_active_slots = 0  # the slot bucket S of the graph being traced
         # Some layers hold per-slot vectors (LoRA bias, DoRA): every step then also carries
         # each token's device slot, whatever the strategy (see slot_rows).
@@ -101,7 +120,7 @@ class PunicaWrapper:
         block = self.token_block(dtype, token_pos.shape[0], num_slots)
         if strategy == "grouped":
             return step_layout.segment_layout(token_pos, active_slots, num_slots, block)
-        if strategy == "gathered":
+        if strategy in ("gathered", "dense"):
             return step_layout.token_slot_layout(token_pos, active_slots)
         if strategy == "split":
             return step_layout.split_layout(token_pos, active_slots, num_slots)
@@ -130,7 +149,7 @@ class PunicaWrapper:
             return None
         if self.force_strategy is not None:
             return self.force_strategy
-        return step_layout.xla_strategy(num_tokens, num_slots, self.max_loras)
+        return step_layout.xla_strategy(num_tokens, num_slots, self.max_loras, self.on_tpu)
 
     def step_strategy(self, token_pos: np.ndarray, num_slots: int,
                       fallback: bool = False) -> str | None:
@@ -206,6 +225,8 @@ class PunicaWrapper:
             return self._onehot_linear(y, x, lora_a, lora_b)
         if strategy == "gathered":
             return self._gathered_linear(y, x, lora_a, lora_b)
+        if strategy == "dense":
+            return self._dense_linear(y, x, lora_a, lora_b)
         if strategy == "split":
             return self._light_linear(self._onehot_linear(y, x, lora_a, lora_b), x, lora_a,
                                       lora_b)
@@ -280,6 +301,31 @@ class PunicaWrapper:
             deltas.append(xi @ b.reshape(s * rank, b.shape[2]))
         return y + torch.cat(deltas, dim=1).to(y.dtype)
 
+    def _slot_onehot(self, dtype: torch.dtype, num_slots: int) -> torch.Tensor:
+        """[T, N]: 1 at each token's DEVICE slot among all N, 0 for tokens without one."""
+        slots = torch.arange(num_slots, device=self.step["token_slot"].device,
+                             dtype=self.step["token_slot"].dtype)
+        hit = (self.step["token_slot"][:, None] == slots) & self.step["token_valid"][:, None]
+        return hit.to(dtype)
+
+    def _dense_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
+        """Every token times every device slot's A ([D, N*R] as the buffers lie), masked
+        to its own slot, then the same against B ([N*R, O]): two dense products per slice
+        in token order, no weight copy, no row gather or scatter (the TPU's strategy, see
+        step_layout.TPU_DENSE_MAX_SLOT_RANKS). FLOPs T*N*R*(D+O); free slots are zero and
+        slot buffers hold only finite values, so the mask is exact."""
+        n = lora_a[0].shape[0]
+        onehot = self._slot_onehot(x.dtype, n)[:, :, None]
+        xa = [torch.einsum("td,ndr->tnr", x, la.to(x.dtype)) * onehot for la in lora_a]
+        return self._dense_expand(y, xa, lora_b)
+
+    @staticmethod
+    def _dense_expand(y, xa: list[torch.Tensor], lora_b) -> torch.Tensor:
+        """xa[i] [T, N, R], zero outside each token's slot -> y + concat_i(xa_i @ B_i)."""
+        deltas = [xi.reshape(xi.shape[0], -1) @ lb.reshape(-1, lb.shape[2]).to(xi.dtype)
+                  for xi, lb in zip(xa, lora_b)]
+        return y + torch.cat(deltas, dim=1).to(y.dtype)
+
     def _gathered_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
         """bgmv: each token's own adapter weights gathered by its device slot, then per-token
         matrix-vector products as multiply + sum over a non-minor axis (XLA CPU ran them
@@ -351,6 +397,9 @@ class PunicaWrapper:
         if strategy == "onehot":
             return self._onehot_expand(y, xa[:, None, :] * self._onehot(xa.dtype)[:, :, None],
                                        [lora_b])
+        if strategy == "dense":
+            onehot = self._slot_onehot(xa.dtype, n)[:, :, None]
+            return self._dense_expand(y, [xa[:, None, :] * onehot], [lora_b])
         if strategy in ("gathered", "split"):  # split: token_slot is there (slot_vectors)
             return self._gathered_expand(y, xa, [lora_b])
         ys = _to_segments(xa, self.step["perm"], self.step["row_valid"])

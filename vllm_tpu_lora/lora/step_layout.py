@@ -92,6 +92,26 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # one adapter's prefill tokens often exceed a slot's 2T/S rows), replayed there at +136 ms
 # over the base graph at T=256 (slots +38) and +195 at T=512 (slots +93). On
 # benchmark_lora.py all 9 prefill steps fit (256 tokens over 8 slots: 64 rows each).
+# Dense (the xla backend's strategy on a TPU): both products one-hot over EVERY device
+# slot, in token order: x @ A viewed [D, N*R], masked to each token's slot, times B
+# viewed [N*R, O]. FLOPs T*N*R*(D+O), no gather of rows or weights, and the delta lands
+# in token order, so no output-sized scatter. Measured on a TPU v5e in JAX
+# (benchmarks/tpu_lora_layer.py: Llama-3-8B's four LoRA linears, bf16, rank 16, every
+# one of N slots used; docs/results/tpu_lora_layer.jsonl run 3), base / (base + LoRA),
+# the Pallas path as the engine composed it (a gather into segment order, the kernels,
+# a scatter back, per slice) | dense:
+#   T=16:   N=1 0.84 | 0.89;  N=8 0.79 | 0.84;  N=16 0.69 | 0.82
+#   T=256:  N=1 0.65 | 0.82;  N=8 0.61 | 0.80;  N=16 0.55 | 0.78
+#   T=1024: N=1 0.73 | 0.86;  N=8 0.69 | 0.85;  N=16 0.66 | 0.83
+# The Pallas kernels themselves are cheap there; what costs is the output-sized gather,
+# mask and add that put their segment-ordered rows back in token order (at 256 tokens
+# the gate_up delta was 0.19-0.32 ms on the Pallas path against 0.06-0.09 dense).
+# Measured up to N*R = 256; larger adapter sets (N*R FLOPs per token) keep Pallas, whose
+# kernels alone beat the one-hot product 1.4-2.5x at 16 adapters of rank 64
+# (tpu_kernels.py). On XLA CPU it is the one-hot over all slots (slower there than the
+# strategies above), so only a TPU picks it.
+TPU_DENSE_MAX_SLOT_RANKS = 256
+
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
 GATHERED_UP_TO = ((8, 32), (16, 64))  # (min S, max T) pairs where gathered wins
@@ -99,9 +119,13 @@ SPLIT_FROM_TOKENS = 64  # buckets from here run "split" (below)
 LIGHT_ROWS = 16  # rows of the split strategy's gathered part
 
 
-def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0) -> str:
-    """The xla backend's LoRA strategy for graph (T, S): "slots" where it applies (its
-    steps that do not fit run `fallback_strategy`), else the fallback itself."""
+def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
+                 on_tpu: bool = False) -> str:
+    """The xla backend's LoRA strategy for graph (T, S): on a TPU "dense"; elsewhere
+    "slots" where it applies (its steps that do not fit run `fallback_strategy`), else
+    the fallback itself."""
+    if on_tpu:
+        return "dense"
     if (num_slots >= 2 and 0 < max_loras < 2 * num_slots
             and SPLIT_FROM_TOKENS <= num_tokens <= SLOTS_MAX_TOKENS):
         return "slots"

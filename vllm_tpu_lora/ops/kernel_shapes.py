@@ -2,7 +2,7 @@
 in VMEM. Pure Python (no jax import): the engine can run the check on any backend.
 
 One shape per op x token bucket x slot bucket x LoRA width x rank x dtype. A packed
-LoRA layer (qkv, gate_up) runs one shrink over its input width and one expand per
+LoRA layer (qkv, gate_up) runs a shrink over its input width and an expand for each
 output slice (lora/punica.py `_pallas_linear`), so a layer contributes its in_features
 to the shrink widths and each of its output slices to the expand widths.
 """
