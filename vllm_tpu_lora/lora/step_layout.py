@@ -108,8 +108,10 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # the gate_up delta was 0.19-0.32 ms on the Pallas path against 0.06-0.09 dense).
 # Measured up to N*R = 256; larger adapter sets (N*R FLOPs per token) keep Pallas, whose
 # kernels alone beat the one-hot product 1.4-2.5x at 16 adapters of rank 64
-# (tpu_kernels.py). On XLA CPU it is the one-hot over all slots (slower there than the
-# strategies above), so only a TPU picks it.
+# (tpu_kernels.py). On XLA CPU it loses to the table above, so only a TPU picks it:
+# benchmark_lora shape, S = max_loras = 8, the engine's graphs replayed interleaved in one
+# process (LoRA ms over the base graph), table | dense: T=16 gathered 2.7 | 3.8;
+# T=32 gathered 3.3 | 3.9; T=64 slots 4.3 | 4.3; T=256 slots 10.2 | 15.1.
 TPU_DENSE_MAX_SLOT_RANKS = 256
 
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_tpu_lora import platform
+from vllm_tpu_lora.engine.block_manager import blocks_needed
 from vllm_tpu_lora.engine.scheduler import ScheduledSeq
 from vllm_tpu_lora.layers.attention import AttentionMetadata
 from vllm_tpu_lora.layers.linear import pretranspose_linears
@@ -52,7 +53,7 @@ class ModelRunner:
         self.model = model.to(self.device)
         self.block_size = block_size
         self.dtype = kv_dtype  # the activations' dtype
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_blocks_per_seq = blocks_needed(max_model_len, block_size)
         self.eos_token_id = eos_token_id
         self.kv_caches = [tuple(torch.zeros(shape, dtype=kv_dtype, device=self.device)
                                 for shape in kv_cache_shapes) for _ in range(num_layers)]
