@@ -121,8 +121,9 @@ def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
 
 def test_tpu_backend_rule_and_dense_table(monkeypatch):
     """lora_backend="auto": the xla backend off a TPU; on a TPU the xla backend's dense
-    strategy in every graph up to max_loras * max_lora_rank = 256 (measured range,
-    benchmarks/tpu_lora_layer.py), Pallas beyond; an explicit backend stands."""
+    strategy in every graph with 2+ adapters ("single" for one) up to max_loras *
+    max_lora_rank = 256 (measured range, benchmarks/tpu_lora_layer.py), Pallas beyond;
+    an explicit backend stands."""
     from vllm_tpu_lora.lora import punica as punica_mod
 
     assert punica_mod.resolve_lora_backend("auto", 64, 64) == "xla"  # not a TPU here
@@ -133,5 +134,6 @@ def test_tpu_backend_rule_and_dense_table(monkeypatch):
     punica = PunicaWrapper("xla", fuse_slices=True)
     punica.max_loras = 16
     assert punica.on_tpu
-    for t, s in ((16, 1), (16, 8), (64, 16), (256, 16), (512, 4)):
+    for t, s in ((16, 8), (64, 16), (256, 16), (512, 4), (16, 2)):
         assert punica.xla_strategy(t, s) == "dense", (t, s)
+    assert punica.xla_strategy(16, 1) == punica.xla_strategy(512, 1) == "single"

@@ -84,6 +84,7 @@ class LLMEngine:
         backend = (self.tp.lora_backend(lc.lora_backend) if self.tp else
                    resolve_lora_backend(lc.lora_backend, lc.max_loras, lc.max_lora_rank))
         punica = PunicaWrapper(backend, fuse_slices=self.tp is None)
+        self._log_lora_backend(backend, lc)
         punica.slot_vectors = lc.enable_lora_bias or lc.enable_dora
         punica.max_loras = lc.max_loras
         layers = wrap_lora_layers(model, punica, lc.max_loras, lc.max_lora_rank, lora_dtype,
@@ -95,6 +96,20 @@ class LLMEngine:
                               one_transfer=self.tp is None, allow_bias=lc.enable_lora_bias,
                               allow_dora=lc.enable_dora)
         return manager, punica
+
+    def _log_lora_backend(self, backend: str, lc) -> None:
+        """Say which LoRA backend "auto" became: on a TPU it depends on max_loras x
+        max_lora_rank (lora/punica.py resolve_lora_backend)."""
+        from vllm_tpu_lora.lora.step_layout import TPU_DENSE_MAX_SLOT_RANKS
+
+        logger.info("LoRA backend: %s (lora_backend=%r, max_loras=%d, max_lora_rank=%d)",
+                    backend, lc.lora_backend, lc.max_loras, lc.max_lora_rank)
+        if (platform.is_tpu() and self.tp is None and backend == "xla"
+                and lc.max_loras * lc.max_lora_rank > TPU_DENSE_MAX_SLOT_RANKS):
+            logger.warning("lora_backend='xla' on a TPU runs its dense strategy, which was "
+                           "measured only up to max_loras * max_lora_rank = %d (here %d); "
+                           "'auto' would pick 'pallas'", TPU_DENSE_MAX_SLOT_RANKS,
+                           lc.max_loras * lc.max_lora_rank)
 
     def _check_kernel_budget(self, dtype) -> None:
         """Refuse, before compiling anything, a configuration whose Pallas LoRA kernels

@@ -5,7 +5,8 @@ Per step the runner asks `plan_step` for the step's host arrays (numpy, built on
 step, see lora/step_layout.py), uploads them, and hands them to `set_step` with the step's
 LoRA-slot bucket S. S is the only Python-level value and it is part of the graph key:
 S = 0 traces no LoRA op at all, and the cost of the LoRA ops grows with S, not max_loras
-(except the "slots" graphs below, used only where S is above half of max_loras).
+(except the "slots" graphs below, used only where S is above half of max_loras, and the
+TPU's "dense" graphs, which contract over every slot).
 
 Single device (`fuse_slices`): every op indexes the full stacked buffers by device slot,
 and on the xla backend they are held transposed, `lora_a[max_loras, D, R]` /
@@ -16,10 +17,11 @@ batched and one-hot matmuls then read B with the rank axis first, as they contra
 A packed layer
 (qkv, gate_up) shrinks once over its slices' concatenated A (vLLM's fused slices; the
 slots and dense strategies and the Pallas path instead run one product per slice, as
-concatenating would copy every slot's weights) and adds its concatenated deltas once:
-  - xla on a TPU, every graph "dense": both products one-hot over every device slot in
-    token order (no gather of rows or weights, no scatter back), which measured faster
-    there than the Pallas path in every bucket while max_loras * max_lora_rank <= 256
+concatenating would copy every slot's weights):
+  - xla on a TPU, every graph with S >= 2 "dense" (S = 1: "single"): both products
+    one-hot over every device slot in token order (no gather of rows or weights, no
+    scatter back), which measured faster there than the Pallas path in every bucket
+    with every slot in use, up to max_loras * max_lora_rank = 256
     (step_layout.TPU_DENSE_MAX_SLOT_RANKS; "auto" picks this backend on a TPU only then).
   - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64 tokens, where S
     is above half of max_loras, "slots": each adapter's tokens in its own device slot's
@@ -54,8 +56,9 @@ from vllm_tpu_lora.runner import buckets
 def resolve_lora_backend(requested: str, max_loras: int, max_rank: int) -> str:
     """The LoRA backend of a single-device engine: "auto" is the xla backend off a TPU;
     on a TPU it is too (its dense strategy) while max_loras * max_lora_rank is within
-    step_layout.TPU_DENSE_MAX_SLOT_RANKS, where that measured faster than the Pallas
-    path in every bucket, and "pallas" above it. An explicit choice stands."""
+    step_layout.TPU_DENSE_MAX_SLOT_RANKS, the range where that was measured faster
+    than the Pallas path, and "pallas" above it. An explicit choice stands. (The op-level
+    ops.resolve_backend maps "auto" to the kernels on a TPU; this is the engine's rule.)"""
     if requested != "auto":
         return ops.resolve_backend(requested)
     if platform.is_tpu() and max_loras * max_rank > step_layout.TPU_DENSE_MAX_SLOT_RANKS:

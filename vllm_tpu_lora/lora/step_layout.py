@@ -106,9 +106,13 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # The Pallas kernels themselves are cheap there; what costs is the output-sized gather,
 # mask and add that put their segment-ordered rows back in token order (at 256 tokens
 # the gate_up delta was 0.19-0.32 ms on the Pallas path against 0.06-0.09 dense).
-# Measured up to N*R = 256; larger adapter sets (N*R FLOPs per token) keep Pallas, whose
-# kernels alone beat the one-hot product 1.4-2.5x at 16 adapters of rank 64
-# (tpu_kernels.py). On XLA CPU it loses to the table above, so only a TPU picks it:
+# Measured with every one of the N slots in use, up to N*R = 256, the edge of what was
+# measured: "auto" keeps Pallas beyond it (dense's FLOPs grow with N*R, and the Pallas
+# kernels alone beat a one-hot product 1.4-2.5x at 16 adapters of rank 64 in
+# tpu_kernels.py; the composed paths were not measured there). Dense pays for all
+# max_loras slots whatever the step's S, so S = 1 keeps "single" (a plain x @ A[slot]:
+# the N=1 cost, 0.086 ms per layer at 16 tokens, against dense's 0.153 with 16 slots);
+# steps with fewer adapters than slots were not measured on the chip. On XLA CPU it loses to the table above, so only a TPU picks it:
 # benchmark_lora shape, S = max_loras = 8, the engine's graphs replayed interleaved in one
 # process (LoRA ms over the base graph), table | dense: T=16 gathered 2.7 | 3.8;
 # T=32 gathered 3.3 | 3.9; T=64 slots 4.3 | 4.3; T=256 slots 10.2 | 15.1.
@@ -123,11 +127,12 @@ LIGHT_ROWS = 16  # rows of the split strategy's gathered part
 
 def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
                  on_tpu: bool = False) -> str:
-    """The xla backend's LoRA strategy for graph (T, S): on a TPU "dense"; elsewhere
+    """The xla backend's LoRA strategy for graph (T, S): on a TPU "dense" (S = 1: "single");
+    elsewhere
     "slots" where it applies (its steps that do not fit run `fallback_strategy`), else
     the fallback itself."""
     if on_tpu:
-        return "dense"
+        return "single" if num_slots == 1 else "dense"
     if (num_slots >= 2 and 0 < max_loras < 2 * num_slots
             and SPLIT_FROM_TOKENS <= num_tokens <= SLOTS_MAX_TOKENS):
         return "slots"
