@@ -44,23 +44,29 @@ def test_benchmark_lora_many_adapters_small_runs():
     assert rows["compilations_after_warmup"]["count"] == 0
 
 
-def test_tpu_kernel_script_runs_without_torch():
-    """benchmarks/tpu_kernels.py is what runs on a JAX-only TPU host (no torch there):
-    with torch made unimportable, its interpreter smoke run checks float32 ("highest"),
-    bfloat16 and float16 kernels against numpy, its bench rows carry every strategy and
-    its blocks row every token block."""
+def _run_without_torch(script_name: str, *argv: str) -> list[dict]:
+    """The JSON rows of benchmarks/<script_name> run in a subprocess where `import torch`
+    raises: these scripts are what runs on a JAX-only TPU host (no torch there)."""
     import json
     import os
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "tpu_kernels.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", script_name)
     code = ("import runpy, sys; sys.modules['torch'] = None; "  # `import torch` now raises
-            f"sys.argv = [{script!r}, '--interpret', '--quick', '--parts', 'check,bench,blocks', "
-            "'--k', '2', '--reps', '1']; runpy.run_path(sys.argv[0], run_name='__main__')")
+            f"sys.path.insert(0, {os.path.dirname(script)!r}); "
+            f"sys.argv = {[script, *argv]!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=600, check=True).stdout
-    rows = [json.loads(line) for line in out.splitlines()]
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_tpu_kernel_script_runs_without_torch():
+    """benchmarks/tpu_kernels.py with torch unimportable: its interpreter smoke run checks
+    float32 ("highest"), bfloat16 and float16 kernels against numpy, its bench rows carry
+    every strategy and its blocks row every token block."""
+    rows = _run_without_torch("tpu_kernels.py", "--interpret", "--quick", "--parts",
+                              "check,bench,blocks", "--k", "2", "--reps", "1")
     checks = [r for r in rows if r["part"] == "check"]
     assert [r["dtype"] for r in checks] == ["float32", "bfloat16", "float16"]
     assert all(r["ok"] for r in checks), checks
@@ -73,23 +79,11 @@ def test_tpu_kernel_script_runs_without_torch():
 
 
 def test_tpu_lora_layer_script_runs_without_torch():
-    """benchmarks/tpu_lora_layer.py (also for the JAX-only TPU host): with torch made
-    unimportable, its interpreter smoke run checks both compositions of a packed and a
-    plain LoRA linear against float64 numpy in float32 and bfloat16, and its layer row
-    carries each composition's delta and ratio."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "tpu_lora_layer.py")
-    code = ("import runpy, sys; sys.modules['torch'] = None; "
-            f"sys.path.insert(0, {os.path.dirname(script)!r}); "
-            f"sys.argv = [{script!r}, '--interpret', '--quick', '--k', '2', '--reps', '1']; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=600, check=True).stdout
-    rows = [json.loads(line) for line in out.splitlines()]
+    """benchmarks/tpu_lora_layer.py with torch unimportable: its interpreter smoke run
+    checks both compositions of a packed and a plain LoRA linear against float64 numpy in
+    float32 and bfloat16, and its layer row carries each composition's delta and ratio."""
+    rows = _run_without_torch("tpu_lora_layer.py", "--interpret", "--quick", "--k", "2",
+                              "--reps", "1")
     checks = [r for r in rows if r["part"] == "layer_check"]
     assert {(r["linear"], r["dtype"]) for r in checks} == {
         (lin, dt) for lin in ("qkv_proj", "down_proj") for dt in ("float32", "bfloat16")}
