@@ -35,17 +35,23 @@ from pathlib import Path
 import numpy as np
 
 
-def load_kernels():
-    """ops/pallas_kernels.py with its torch-free helpers, without the package
-    __init__s (they import torch, which a JAX-only TPU host lacks)."""
+def load_torch_free(module: str):
+    """vllm_tpu_lora.<module> (a torch-free one: the kernels, block sizes, the step
+    layout) without the package __init__s (they import torch, which a JAX-only TPU host
+    lacks)."""
     root = Path(__file__).resolve().parents[1] / "vllm_tpu_lora"
-    for name, path in (("vllm_tpu_lora", root), ("vllm_tpu_lora.ops", root / "ops")):
+    for name, path in (("vllm_tpu_lora", root), ("vllm_tpu_lora.ops", root / "ops"),
+                       ("vllm_tpu_lora.lora", root / "lora")):
         if name not in sys.modules:
             pkg = types.ModuleType(name)
             pkg.__path__ = [str(path)]
             sys.modules[name] = pkg
-    return (importlib.import_module("vllm_tpu_lora.ops.pallas_kernels"),
-            importlib.import_module("vllm_tpu_lora.ops.block_sizes"))
+    return importlib.import_module(f"vllm_tpu_lora.{module}")
+
+
+def load_kernels():
+    """ops/pallas_kernels.py and ops/block_sizes.py, torch-free."""
+    return load_torch_free("ops.pallas_kernels"), load_torch_free("ops.block_sizes")
 
 
 def emit(row: dict) -> None:

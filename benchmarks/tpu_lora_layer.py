@@ -23,7 +23,7 @@ import argparse
 import functools
 
 import numpy as np
-from tpu_kernels import _device_ms, emit, load_kernels
+from tpu_kernels import _device_ms, emit, load_kernels, load_torch_free
 
 # Llama-3-8B's LoRA linears: (name, in_features, output slices).
 LLAMA3_8B = (("qkv_proj", 4096, (4096, 1024, 1024)), ("o_proj", 4096, (4096,)),
@@ -31,28 +31,14 @@ LLAMA3_8B = (("qkv_proj", 4096, (4096, 1024, 1024)), ("o_proj", 4096, (4096,)),
 QUICK = (("qkv_proj", 256, (256, 128, 128)), ("down_proj", 384, (256,)))
 
 
-def segment_arrays(bs, token_slot, n, block):
-    """The engine's segment layout (lora/step_layout.py) in numpy: perm [T_pad], dest
-    [T], token_valid [T], block_slot [T_pad/B], row_valid [T_pad]; tokens sorted by
-    slot, runs padded to B."""
-    t = token_slot.size
-    t_pad = bs.padded_num_tokens(t, n, block)
-    perm = np.zeros(t_pad, np.int32)
-    dest = np.zeros(t, np.int32)
-    block_slot = np.full(t_pad // block, -1, np.int32)
-    row = 0
-    for s in range(n):
-        toks = np.flatnonzero(token_slot == s)
-        if toks.size == 0:
-            continue
-        perm[row: row + toks.size] = toks
-        dest[toks] = row + np.arange(toks.size)
-        nb = -(-toks.size // block)
-        block_slot[row // block: row // block + nb] = s
-        row += nb * block
-    row_valid = np.zeros(t_pad, bool)
-    row_valid[dest[token_slot >= 0]] = True
-    return perm, dest, token_slot >= 0, block_slot, row_valid, token_slot
+def step_arrays(jnp, token_slot, n, block):
+    """The engine's own step arrays (lora/step_layout.py), on the device, for tokens on
+    device slots 0..n-1 (-1: base model): the Pallas path's segment layout and dense's
+    token_slot."""
+    step_layout, slots = load_torch_free("lora.step_layout"), list(range(n))
+    arrays = {**step_layout.segment_layout(token_slot, slots, n, block),
+              **step_layout.token_slot_layout(token_slot, slots)}
+    return {k: jnp.asarray(v) for k, v in arrays.items()}
 
 
 def compositions(pk, jnp, block, interpret, precision="default"):
@@ -68,13 +54,14 @@ def compositions(pk, jnp, block, interpret, precision="default"):
     def per_slice(x, y, lay, a_s, b_s):
         # bgmv_pallas.segment_shrink's scale (ones: scales are folded into B) and row
         # mask, then the expand and bgmv_xla.scatter_back, per slice.
-        perm, dest, valid, slots, row_valid = lay[:5]
+        perm, dest, valid, slots = lay["perm"], lay["dest"], lay["token_valid"], lay["block_slot"]
         offset = 0
         ones = jnp.ones(a_s[0].shape[0], jnp.float32)
         for a, b in zip(a_s, b_s):
             ys = shrink(slots, x[perm], a)
             scale = jnp.repeat(ones[jnp.maximum(slots, 0)], block)[:, None]
-            ys = jnp.where(row_valid[:, None], ys.astype(jnp.float32) * scale, 0).astype(x.dtype)
+            ys = jnp.where(lay["row_valid"][:, None], ys.astype(jnp.float32) * scale, 0)
+            ys = ys.astype(x.dtype)
             y = scatter(y, expand(slots, ys, b), dest, valid, offset)
             offset += b.shape[1]
         return y
@@ -84,7 +71,7 @@ def compositions(pk, jnp, block, interpret, precision="default"):
         x times every slot's A (at_s: [N, D, R]) masked to each token's slot, then that
         [T, N*R] times every slot's B (bt_s: [N, R, O] viewed [N*R, O]); token order, no
         weight copy, no row gather or scatter."""
-        valid, token_slot = lay[2], lay[5]
+        valid, token_slot = lay["token_valid"], lay["token_slot"]
         n_slots = at_s[0].shape[0]
         onehot = (token_slot[:, None] == jnp.arange(n_slots)[None, :]) & valid[:, None]
         deltas = []
@@ -124,22 +111,22 @@ def jax_precision(precision):
 
 
 def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
-    """Fused and per-slice deltas of every linear against float64 numpy."""
+    """Per-slice (Pallas path) and dense deltas of every linear against float64 numpy."""
     rng = np.random.default_rng(t + n)
     jt = jnp.dtype(dtype)
     block = bs.token_block(dtype, "pallas", t, n)
     used = [s for s in range(n) if s != 1] if n > 1 else [0]
     token_slot = rng.choice(used + [-1], size=t).astype(np.int32)  # -1: base-model tokens
-    lay_np = segment_arrays(bs, token_slot, n, block)
-    lay = tuple(jnp.asarray(v) for v in lay_np)
+    lay = step_arrays(jnp, token_slot, n, block)
     precision = "highest" if dtype == "float32" else "default"
     per_slice, dense = compositions(pk, jnp, block, interpret, precision)
+    nan_slot = 1 if n > 1 else None  # unused by every token: NaN there must not leak
     for name, d, sizes in linears:
-        a_s, b_s = make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot=1 if n > 1 else None)
+        a_s, b_s = make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot)
         x = jnp.asarray(rng.standard_normal((t, d)), jt)
         y = jnp.zeros((t, sum(sizes)), jt)
         got_p = np.asarray(per_slice(x, y, lay, a_s, b_s).astype(jnp.float32), np.float64)
-        at_s, bt_s = transposed(jnp, a_s, b_s, nan_slot=1 if n > 1 else None)
+        at_s, bt_s = transposed(jnp, a_s, b_s, nan_slot)
         with jax_precision(precision):
             got_d = np.asarray(dense(x, y, lay, at_s, bt_s).astype(jnp.float32), np.float64)
         x64 = np.asarray(x.astype(jnp.float32), np.float64)
@@ -168,7 +155,7 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, r, dtype, k_max, reps, interpre
     jt = jnp.dtype(dtype)
     block = bs.token_block(dtype, "pallas", t, n)
     token_slot = rng.integers(0, n, size=t).astype(np.int32)  # every token on an adapter
-    lay = tuple(jnp.asarray(v) for v in segment_arrays(bs, token_slot, n, block))
+    lay = step_arrays(jnp, token_slot, n, block)
     per_slice, dense = compositions(pk, jnp, block, interpret)
     row = dict(part="layer", T=t, N=n, R=r, dtype=dtype, block=block)
     totals = dict(base=0.0, per_slice=0.0, dense=0.0)
@@ -180,10 +167,8 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, r, dtype, k_max, reps, interpre
         xs = jnp.asarray(rng.standard_normal((k, t, d)), jt)
         # The base output and the layout are arguments, not constants XLA could fold.
         y0 = jnp.asarray(rng.standard_normal((t, sum(sizes))), jt)
-        fns = {"base": (lambda x, w: x @ w, (w,)),
-               "per_slice": (lambda x, y, lay, a, b: per_slice(x, y, lay, a, b),
-                             (y0, lay, a_s, b_s)),
-               "dense": (lambda x, y, lay, a, b: dense(x, y, lay, a, b), (y0, lay, at_s, bt_s))}
+        fns = {"base": (lambda x, w: x @ w, (w,)), "per_slice": (per_slice, (y0, lay, a_s, b_s)),
+               "dense": (dense, (y0, lay, at_s, bt_s))}
         for what, (fn, rest) in fns.items():
             ms = _device_ms(jax, fn, xs, rest, reps)
             row[f"{name}_{what}_ms"] = round(ms, 4)

@@ -23,17 +23,17 @@ concatenating would copy every slot's weights):
     scatter back), which measured faster there than the Pallas path in every bucket
     with every slot in use, up to max_loras * max_lora_rank = 256
     (step_layout.TPU_DENSE_MAX_SLOT_RANKS; "auto" picks this backend on a TPU only then).
-  - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64 tokens, where S
-    is above half of max_loras, "slots": each adapter's tokens in its own device slot's
-    rows, one batched matmul per slice over the buffers as they lie (every slot's weights
-    read once, none copied), with the bucket's other strategy as a second graph for the
-    steps whose adapters do not fit a slot's rows. Otherwise: S = 1 a plain
-    `x @ A[slot].T`; small buckets with many adapters gather each token's weights by
-    slot (bgmv, FLOPs T*R*(D+O) for any S); otherwise one dense product with the S active
-    adapters selected by a [T, S] one-hot, from 64 tokens "split": that one-hot over
-    the adapters with many tokens plus a gathered bgmv over the rows of the rest. (A
-    grouped matmul on the step's segment layout, tokens grouped by adapter and runs
-    padded to a token block B, FLOPs T_pad*R*(D+O), is there when forced.)
+  - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64
+    tokens, where S is above half of max_loras, "slots": each adapter's tokens in its
+    own device slot's rows, one batched matmul per slice over the buffers as they lie
+    (every slot's weights read once, none copied), with the bucket's other strategy as a
+    second graph for the steps whose adapters do not fit a slot's rows. Otherwise: S = 1
+    a plain `x @ A[slot].T`; small buckets with many adapters gather each token's
+    weights by slot (bgmv, FLOPs T*R*(D+O) for any S); otherwise one dense product with
+    the S active adapters selected by a [T, S] one-hot, from 64 tokens "split": that
+    one-hot over the adapters with many tokens plus a gathered bgmv over the rows of the
+    rest. (A grouped matmul on the step's segment layout, tokens grouped by adapter and
+    runs padded to a token block B, FLOPs T_pad*R*(D+O), is there when forced.)
   - pallas: the Pallas kernels on the segment layout, the block -> slot map scalar-
     prefetched, so each block's BlockSpec fetches its adapter straight from the buffers;
     per slice, a gather of x into segment order before and a scatter of the output back

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
+# From block_sizes, not bgmv_xla (which re-exports it): this module imports no torch, so
+# benchmarks/tpu_lora_layer.py builds the engine's layouts with it on a JAX-only host.
+from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 
 # Measured with `benchmarks/benchmark_ops.py --packed` (XLA CPU, a Llama layer's four
 # linears at hidden 512 / intermediate 1408, rank 16, replayed; LoRA ms over the base):
@@ -112,10 +114,11 @@ from vllm_tpu_lora.ops.bgmv_xla import padded_num_tokens
 # tpu_kernels.py; the composed paths were not measured there). Dense pays for all
 # max_loras slots whatever the step's S, so S = 1 keeps "single" (a plain x @ A[slot]:
 # the N=1 cost, 0.086 ms per layer at 16 tokens, against dense's 0.153 with 16 slots);
-# steps with fewer adapters than slots were not measured on the chip. On XLA CPU it loses to the table above, so only a TPU picks it:
-# benchmark_lora shape, S = max_loras = 8, the engine's graphs replayed interleaved in one
-# process (LoRA ms over the base graph), table | dense: T=16 gathered 2.7 | 3.8;
-# T=32 gathered 3.3 | 3.9; T=64 slots 4.3 | 4.3; T=256 slots 10.2 | 15.1.
+# steps with fewer adapters than slots were not measured on the chip. On XLA CPU it
+# loses to the table above, so only a TPU picks it: benchmark_lora shape, S = max_loras
+# = 8, the engine's graphs replayed interleaved in one process (LoRA ms over the base
+# graph), table | dense: T=16 gathered 2.7 | 3.8; T=32 gathered 3.3 | 3.9; T=64 slots
+# 4.3 | 4.3; T=256 slots 10.2 | 15.1.
 TPU_DENSE_MAX_SLOT_RANKS = 256
 
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
@@ -127,10 +130,9 @@ LIGHT_ROWS = 16  # rows of the split strategy's gathered part
 
 def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
                  on_tpu: bool = False) -> str:
-    """The xla backend's LoRA strategy for graph (T, S): on a TPU "dense" (S = 1: "single");
-    elsewhere
-    "slots" where it applies (its steps that do not fit run `fallback_strategy`), else
-    the fallback itself."""
+    """The xla backend's LoRA strategy for graph (T, S): on a TPU "dense" (S = 1:
+    "single"); elsewhere "slots" where it applies (its steps that do not fit run
+    `fallback_strategy`), else the fallback itself."""
     if on_tpu:
         return "single" if num_slots == 1 else "dense"
     if (num_slots >= 2 and 0 < max_loras < 2 * num_slots
