@@ -1,8 +1,10 @@
 """A decoder layer's LoRA linears on a real TPU, composed as the engine composes them:
 the Pallas path (lora_backend="pallas": per slice of a packed layer a gather into
 segment order, the shrink and expand kernels, a scatter back) and the xla backend's
-"dense" strategy (one-hot over every slot in token order, two dense products per
-slice, no gather of rows or weights), next to the base matmuls of the same linears.
+strategies ("dense": one-hot over every slot in token order; "onehot": the step's S
+active slots' weights copied out, one shrink over the slices' concatenated A, a [T, S]
+one-hot; "single": one adapter), next to the base matmuls of the same linears.
+`--active` also measures steps that use fewer adapters than the N slots.
 
 JAX only, like benchmarks/tpu_kernels.py (whose kernel loader and device timer it
 uses); the compositions mirror ops/bgmv_pallas.py's and lora/punica.py's torch ops:
@@ -10,7 +12,7 @@ uses); the compositions mirror ops/bgmv_pallas.py's and lora/punica.py's torch o
     python benchmarks/tpu_lora_layer.py                      # Mosaic on the chip
     python benchmarks/tpu_lora_layer.py --interpret --quick  # any host
 
-Rows: part "layer_check" (both compositions against a float64 reference, NaN in an
+Rows: part "layer_check" (every composition against a float64 reference, NaN in an
 unused slot for the Pallas path), part "layer" (device ms per layer: base matmuls of
 the four linears, each composition's LoRA delta, and base / (base + delta), the
 linears-only ratio: attention and norms, which LoRA leaves alone, bring a model's
@@ -37,7 +39,8 @@ def step_arrays(jnp, token_slot, n, block):
     token_slot."""
     step_layout, slots = load_torch_free("lora.step_layout"), list(range(n))
     arrays = {**step_layout.segment_layout(token_slot, slots, n, block),
-              **step_layout.token_slot_layout(token_slot, slots)}
+              **step_layout.token_slot_layout(token_slot, slots),
+              "token_lora_idx": token_slot, "active_slots": np.arange(n, dtype=np.int32)}
     return {k: jnp.asarray(v) for k, v in arrays.items()}
 
 
@@ -80,7 +83,29 @@ def compositions(pk, jnp, block, interpret, precision="default"):
             deltas.append(jnp.dot(xa.reshape(x.shape[0], -1), bt.reshape(-1, bt.shape[2])))
         return y + jnp.concatenate(deltas, axis=1).astype(y.dtype)
 
-    return per_slice, dense
+    def single(x, y, lay, at_s, bt_s):
+        """S = 1 on a TPU (PunicaWrapper._single_slot_linear): the step's one adapter's
+        A of every slice concatenated, one shrink, an expand per slice, masked."""
+        slot = lay["token_slot"][:1]
+        a = jnp.concatenate([at[slot][0] for at in at_s], axis=1)
+        xa, rank = x @ a, at_s[0].shape[2]
+        deltas = [xa[:, i * rank:(i + 1) * rank] @ bt[slot][0] for i, bt in enumerate(bt_s)]
+        delta = jnp.concatenate(deltas, axis=1)
+        return y + jnp.where(lay["token_valid"][:, None], delta, 0).astype(y.dtype)
+
+    def onehot(x, y, lay, at_s, bt_s):
+        """The xla backend's "onehot" strategy (PunicaWrapper._onehot_linear): the step's
+        S active slots' weights copied out (index_select), every token times all S, a
+        [T, S] one-hot keeping its own: dense's products over S, not N, for a copy."""
+        active, rank = lay["active_slots"], at_s[0].shape[2]
+        hit = lay["token_lora_idx"][:, None] == jnp.arange(active.shape[0])[None, :]
+        a = jnp.concatenate([at[active] for at in at_s], axis=2)  # [S, D, n*R]
+        xa = jnp.einsum("td,sdr->tsr", x, a) * hit[:, :, None].astype(x.dtype)
+        deltas = [xa[:, :, i * rank:(i + 1) * rank].reshape(x.shape[0], -1)
+                  @ bt[active].reshape(-1, bt.shape[2]) for i, bt in enumerate(bt_s)]
+        return y + jnp.concatenate(deltas, axis=1).astype(y.dtype)
+
+    return {"per_slice": per_slice, "dense": dense, "single": single, "onehot": onehot}
 
 
 def make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot=None):
@@ -111,7 +136,8 @@ def jax_precision(precision):
 
 
 def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
-    """Per-slice (Pallas path) and dense deltas of every linear against float64 numpy."""
+    """Per-slice (Pallas path) and dense deltas of every linear (and single's, when one
+    adapter is in play) against float64 numpy."""
     rng = np.random.default_rng(t + n)
     jt = jnp.dtype(dtype)
     block = bs.token_block(dtype, "pallas", t, n)
@@ -119,18 +145,22 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
     token_slot = rng.choice(used + [-1], size=t).astype(np.int32)  # -1: base-model tokens
     lay = step_arrays(jnp, token_slot, n, block)
     precision = "highest" if dtype == "float32" else "default"
-    per_slice, dense = compositions(pk, jnp, block, interpret, precision)
+    comps = compositions(pk, jnp, block, interpret, precision)
+    per_slice = comps.pop("per_slice")
+    xla_paths = {k: fn for k, fn in comps.items() if k != "single" or len(used) == 1}
     nan_slot = 1 if n > 1 else None  # unused by every token: NaN there must not leak
     for name, d, sizes in linears:
         a_s, b_s = make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot)
         x = jnp.asarray(rng.standard_normal((t, d)), jt)
         y = jnp.zeros((t, sum(sizes)), jt)
-        got_p = np.asarray(per_slice(x, y, lay, a_s, b_s).astype(jnp.float32), np.float64)
+        got = {"per_slice": np.asarray(per_slice(x, y, lay, a_s, b_s).astype(jnp.float32),
+                                       np.float64)}
         at_s, bt_s = transposed(jnp, a_s, b_s, nan_slot)
         with jax_precision(precision):
-            got_d = np.asarray(dense(x, y, lay, at_s, bt_s).astype(jnp.float32), np.float64)
+            for what, fn in xla_paths.items():
+                got[what] = np.asarray(fn(x, y, lay, at_s, bt_s).astype(jnp.float32), np.float64)
         x64 = np.asarray(x.astype(jnp.float32), np.float64)
-        ref = np.zeros_like(got_p)
+        ref = np.zeros_like(got["per_slice"])
         for tok, s in enumerate(token_slot):
             if s >= 0:
                 ref[tok] = np.concatenate([
@@ -138,11 +168,9 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
                     @ np.asarray(b[s].astype(jnp.float32), np.float64).T
                     for a, b in zip(a_s, b_s)])
         rms = float(np.sqrt(np.mean(ref ** 2))) or 1.0
-        errs = {what: float(np.max(np.abs(got - ref))) / rms
-                for what, got in (("per_slice", got_p), ("dense", got_d))}
-        base_rows_zero = bool(np.all(got_p[token_slot < 0] == 0)
-                              and np.all(got_d[token_slot < 0] == 0))
-        finite = bool(np.isfinite(got_p).all() and np.isfinite(got_d).all())
+        errs = {what: float(np.max(np.abs(g - ref))) / rms for what, g in got.items()}
+        base_rows_zero = all(bool(np.all(g[token_slot < 0] == 0)) for g in got.values())
+        finite = all(bool(np.isfinite(g).all()) for g in got.values())
         tol = 1e-4 if dtype == "float32" else 4e-2
         emit(dict(part="layer_check", linear=name, T=t, N=n, R=r, dtype=dtype, block=block,
                   **{f"{what}_rel_err": err for what, err in errs.items()},
@@ -150,15 +178,20 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
                   ok=bool(max(errs.values()) < tol and base_rows_zero and finite)))
 
 
-def layer_bench(pk, bs, jax, jnp, linears, t, n, r, dtype, k_max, reps, interpret):
+def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, interpret):
+    """N device slots (what dense pays for), `active` of them used by this step's
+    tokens (what the Pallas path's layout and graph bucket are sized by)."""
     rng = np.random.default_rng(0)
     jt = jnp.dtype(dtype)
-    block = bs.token_block(dtype, "pallas", t, n)
-    token_slot = rng.integers(0, n, size=t).astype(np.int32)  # every token on an adapter
-    lay = step_arrays(jnp, token_slot, n, block)
-    per_slice, dense = compositions(pk, jnp, block, interpret)
-    row = dict(part="layer", T=t, N=n, R=r, dtype=dtype, block=block)
-    totals = dict(base=0.0, per_slice=0.0, dense=0.0)
+    block = bs.token_block(dtype, "pallas", t, active)
+    token_slot = rng.integers(0, active, size=t).astype(np.int32)  # every token on an adapter
+    lay = step_arrays(jnp, token_slot, active, block)
+    comps = compositions(pk, jnp, block, interpret)
+    xla = load_torch_free("lora.step_layout").xla_strategy(t, active, n, on_tpu=True)
+    row = dict(part="layer", T=t, N=n, active=active, R=r, dtype=dtype, block=block,
+               xla_strategy=xla)
+    paths = ("per_slice", "dense", "onehot") + (("single",) if active == 1 else ())
+    totals = dict.fromkeys(("base",) + paths, 0.0)
     for name, d, sizes in linears:
         a_s, b_s = make_adapters(jnp, rng, n, d, sizes, r, jt)
         at_s, bt_s = transposed(jnp, a_s, b_s)
@@ -167,15 +200,17 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, r, dtype, k_max, reps, interpre
         xs = jnp.asarray(rng.standard_normal((k, t, d)), jt)
         # The base output and the layout are arguments, not constants XLA could fold.
         y0 = jnp.asarray(rng.standard_normal((t, sum(sizes))), jt)
-        fns = {"base": (lambda x, w: x @ w, (w,)), "per_slice": (per_slice, (y0, lay, a_s, b_s)),
-               "dense": (dense, (y0, lay, at_s, bt_s))}
-        for what, (fn, rest) in fns.items():
+        fns = {"base": (lambda x, w: x @ w, (w,)),
+               **{k: (fn, (y0, lay, a_s, b_s) if k == "per_slice" else (y0, lay, at_s, bt_s))
+                  for k, fn in comps.items()}}
+        for what in totals:
+            fn, rest = fns[what]
             ms = _device_ms(jax, fn, xs, rest, reps)
             row[f"{name}_{what}_ms"] = round(ms, 4)
             totals[what] += ms
     for what, ms in totals.items():
         row[f"layer_{what}_ms"] = round(ms, 4)
-    for what in ("per_slice", "dense"):
+    for what in paths:
         row[f"ratio_{what}"] = round(totals["base"] / (totals["base"] + totals[what]), 3)
     emit(row)
 
@@ -187,6 +222,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny shapes only (a smoke run)")
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024])
     p.add_argument("--slots", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--active", type=int, nargs="+", default=[],
+                   help="also bench steps using only this many of the N slots")
     p.add_argument("--ranks", type=int, nargs="+", default=[16])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--k", type=int, default=32, help="most inputs per dispatch")
@@ -206,10 +243,11 @@ def main(argv=None):
             for dtype in ("float32", "bfloat16"):
                 layer_check(pk, bs, jnp, linears, t, n, 16, dtype, args.interpret)
     if "bench" in parts:
-        grid = [(16, 2, 16)] if args.quick else [
-            (t, n, r) for r in args.ranks for t in args.tokens for n in args.slots]
-        for t, n, r in grid:
-            layer_bench(pk, bs, jax, jnp, linears, t, n, r, args.dtype, args.k, args.reps,
+        grid = [(16, 2, a, 16) for a in (2, 1)] if args.quick else [
+            (t, n, a, r) for r in args.ranks for t in args.tokens for n in args.slots
+            for a in sorted({n, *(a for a in args.active if a < n)}, reverse=True)]
+        for t, n, a, r in grid:
+            layer_bench(pk, bs, jax, jnp, linears, t, n, a, r, args.dtype, args.k, args.reps,
                         args.interpret)
 
 

@@ -80,18 +80,21 @@ def test_tpu_kernel_script_runs_without_torch():
 
 def test_tpu_lora_layer_script_runs_without_torch():
     """benchmarks/tpu_lora_layer.py with torch unimportable: its interpreter smoke run
-    checks both compositions of a packed and a plain LoRA linear against float64 numpy in
-    float32 and bfloat16, and its layer row carries each composition's delta and ratio."""
+    checks every composition of a packed and a plain LoRA linear against float64 numpy in
+    float32 and bfloat16, and its layer rows (two slots, then one of them in use) carry
+    each composition's delta and ratio."""
     rows = _run_without_torch("tpu_lora_layer.py", "--interpret", "--quick", "--k", "2",
                               "--reps", "1")
     checks = [r for r in rows if r["part"] == "layer_check"]
     assert {(r["linear"], r["dtype"]) for r in checks} == {
         (lin, dt) for lin in ("qkv_proj", "down_proj") for dt in ("float32", "bfloat16")}
     assert all(r["ok"] for r in checks), checks
-    (layer,) = [r for r in rows if r["part"] == "layer"]
-    for what in ("base", "per_slice", "dense"):
-        assert layer[f"layer_{what}_ms"] > 0, layer
-    assert 0 < layer["ratio_dense"] < 1 and 0 < layer["ratio_per_slice"] < 1, layer
+    layers = {r["active"]: r for r in rows if r["part"] == "layer"}
+    assert sorted(layers) == [1, 2], layers  # a step using both slots, then one of them
+    for active, layer in layers.items():
+        paths = ["per_slice", "onehot"] + (["single"] if active == 1 else [])
+        assert all(layer[f"layer_{what}_ms"] > 0 for what in ["base", *paths]), layer
+        assert all(0 < layer[f"ratio_{what}"] < 1 for what in paths), layer
 
 
 def test_replay_buckets_small_replays_slots_and_fallback_graphs():
