@@ -1,10 +1,12 @@
 """A decoder layer's LoRA linears on a real TPU, composed as the engine composes them:
 the Pallas path (lora_backend="pallas": per slice of a packed layer a gather into
 segment order, the shrink and expand kernels, a scatter back) and the xla backend's
-strategies ("dense": one-hot over every slot in token order; "onehot": the step's S
-active slots' weights copied out, one shrink over the slices' concatenated A, a [T, S]
-one-hot; "single": one adapter), next to the base matmuls of the same linears.
-`--active` also measures steps that use fewer adapters than the N slots.
+strategies on a TPU ("onehot": the step's S active slots' weights copied out, one
+shrink over the slices' concatenated A, a [T, S] one-hot; "single": one adapter), next
+to the base matmuls of the same linears. `--active` also measures steps that use fewer
+adapters than the N slots. (Runs 4-6 in docs/results/tpu_lora_layer.jsonl also carry
+"dense", a one-hot over all N slots per slice without the weight copy, which lost to
+onehot at every point and left the engine.)
 
 JAX only, like benchmarks/tpu_kernels.py (whose kernel loader and device timer it
 uses); the compositions mirror ops/bgmv_pallas.py's and lora/punica.py's torch ops:
@@ -35,8 +37,8 @@ QUICK = (("qkv_proj", 256, (256, 128, 128)), ("down_proj", 384, (256,)))
 
 def step_arrays(jnp, token_slot, n, block):
     """The engine's own step arrays (lora/step_layout.py), on the device, for tokens on
-    device slots 0..n-1 (-1: base model): the Pallas path's segment layout and dense's
-    token_slot."""
+    device slots 0..n-1 (-1: base model): the Pallas path's segment layout, single's
+    token_slot and onehot's token_lora_idx / active_slots."""
     step_layout, slots = load_torch_free("lora.step_layout"), list(range(n))
     arrays = {**step_layout.segment_layout(token_slot, slots, n, block),
               **step_layout.token_slot_layout(token_slot, slots),
@@ -69,20 +71,6 @@ def compositions(pk, jnp, block, interpret, precision="default"):
             offset += b.shape[1]
         return y
 
-    def dense(x, y, lay, at_s, bt_s):
-        """The xla backend's "dense" strategy (PunicaWrapper._dense_linear): per slice,
-        x times every slot's A (at_s: [N, D, R]) masked to each token's slot, then that
-        [T, N*R] times every slot's B (bt_s: [N, R, O] viewed [N*R, O]); token order, no
-        weight copy, no row gather or scatter."""
-        valid, token_slot = lay["token_valid"], lay["token_slot"]
-        n_slots = at_s[0].shape[0]
-        onehot = (token_slot[:, None] == jnp.arange(n_slots)[None, :]) & valid[:, None]
-        deltas = []
-        for at, bt in zip(at_s, bt_s):  # in x's dtype, as the torch ops run
-            xa = jnp.einsum("td,ndr->tnr", x, at) * onehot[:, :, None].astype(x.dtype)
-            deltas.append(jnp.dot(xa.reshape(x.shape[0], -1), bt.reshape(-1, bt.shape[2])))
-        return y + jnp.concatenate(deltas, axis=1).astype(y.dtype)
-
     def single(x, y, lay, at_s, bt_s):
         """S = 1 on a TPU (PunicaWrapper._single_slot_linear): the step's one adapter's
         A of every slice concatenated, one shrink, an expand per slice, masked."""
@@ -96,7 +84,7 @@ def compositions(pk, jnp, block, interpret, precision="default"):
     def onehot(x, y, lay, at_s, bt_s):
         """The xla backend's "onehot" strategy (PunicaWrapper._onehot_linear): the step's
         S active slots' weights copied out (index_select), every token times all S, a
-        [T, S] one-hot keeping its own: dense's products over S, not N, for a copy."""
+        [T, S] one-hot keeping its own."""
         active, rank = lay["active_slots"], at_s[0].shape[2]
         hit = lay["token_lora_idx"][:, None] == jnp.arange(active.shape[0])[None, :]
         a = jnp.concatenate([at[active] for at in at_s], axis=2)  # [S, D, n*R]
@@ -105,7 +93,7 @@ def compositions(pk, jnp, block, interpret, precision="default"):
                   @ bt[active].reshape(-1, bt.shape[2]) for i, bt in enumerate(bt_s)]
         return y + jnp.concatenate(deltas, axis=1).astype(y.dtype)
 
-    return {"per_slice": per_slice, "dense": dense, "single": single, "onehot": onehot}
+    return {"per_slice": per_slice, "single": single, "onehot": onehot}
 
 
 def make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot=None):
@@ -119,7 +107,7 @@ def make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot=None):
 
 def transposed(jnp, a_s, b_s, nan_slot=None):
     """A as [N, D, R] and B as [N, R, O] (the xla backend's slot layout); a NaN slot's
-    weights are zeroed there, as the dense products would spread them (the engine's
+    weights are zeroed there, as the one-hot products would spread them (the engine's
     slot buffers hold only finite values: unused slots are zero)."""
     at_s = [jnp.swapaxes(a, 1, 2) for a in a_s]
     bt_s = [jnp.swapaxes(b, 1, 2) for b in b_s]
@@ -136,7 +124,7 @@ def jax_precision(precision):
 
 
 def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
-    """Per-slice (Pallas path) and dense deltas of every linear (and single's, when one
+    """Per-slice (Pallas path) and onehot deltas of every linear (and single's, when one
     adapter is in play) against float64 numpy."""
     rng = np.random.default_rng(t + n)
     jt = jnp.dtype(dtype)
@@ -179,8 +167,8 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
 
 
 def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, interpret):
-    """N device slots (what dense pays for), `active` of them used by this step's
-    tokens (what the Pallas path's layout and graph bucket are sized by)."""
+    """N device slots, `active` of them used by this step's tokens (what the Pallas
+    path's layout and onehot's graph bucket are sized by)."""
     rng = np.random.default_rng(0)
     jt = jnp.dtype(dtype)
     block = bs.token_block(dtype, "pallas", t, active)
@@ -190,7 +178,7 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
     xla = load_torch_free("lora.step_layout").xla_strategy(t, active, n, on_tpu=True)
     row = dict(part="layer", T=t, N=n, active=active, R=r, dtype=dtype, block=block,
                xla_strategy=xla)
-    paths = ("per_slice", "dense", "onehot") + (("single",) if active == 1 else ())
+    paths = ("per_slice", "onehot") + (("single",) if active == 1 else ())
     totals = dict.fromkeys(("base",) + paths, 0.0)
     for name, d, sizes in linears:
         a_s, b_s = make_adapters(jnp, rng, n, d, sizes, r, jt)

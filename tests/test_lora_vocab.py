@@ -59,9 +59,9 @@ def _check(outs, expected, names, what):
 
 
 # 64-token steps: the xla slots strategy's graphs (embedding LoRA, bias and DoRA included);
-# "dense": the xla backend's strategy table as on a TPU (every graph one-hot over all slots)
+# "tpu_table": the xla backend's strategy table as on a TPU (onehot for 2+ adapters)
 @pytest.mark.parametrize("backend,batched_tokens", [("xla", 32), ("pallas", 32), ("xla", 64),
-                                                    ("dense", 32)])
+                                                    ("tpu_table", 32)])
 def test_mixed_batch_with_embedding_and_lm_head_lora_matches_peft(setup, backend,
                                                                    batched_tokens):
     arch, model_dir, adapters, oracle = setup
@@ -70,11 +70,11 @@ def test_mixed_batch_with_embedding_and_lm_head_lora_matches_peft(setup, backend
     names = [(None, *KINDS)[i % (len(KINDS) + 1)] for i in range(14)]
     expected = hf_greedy(oracle, prompts, MAX_NEW, adapter_names=names)
     # 6 adapters over 3 slots: adapters load, evict and come back during the run.
-    llm = LLM(model_dir, max_loras=3, lora_backend="xla" if backend == "dense" else backend,
-              precompile=backend != "dense",
+    llm = LLM(model_dir, max_loras=3, lora_backend="xla" if backend == "tpu_table" else backend,
+              precompile=backend != "tpu_table",
               **{**ENGINE, "max_num_batched_tokens": batched_tokens})
     punica, slot_steps = llm.llm_engine.runner.punica, []
-    if backend == "dense":  # capture the graphs with the TPU's table
+    if backend == "tpu_table":  # capture the graphs with the TPU's table
         punica.on_tpu = True
         llm.llm_engine.runner.precompile()
     plan_step = punica.plan_step
@@ -95,8 +95,8 @@ def test_mixed_batch_with_embedding_and_lm_head_lora_matches_peft(setup, backend
     assert sum(a["slot_evictions"] for a in stats["loras"].values()) > 0
     assert bool(slot_steps) == (backend == "xla" and batched_tokens == 64), len(slot_steps)
     kinds = {key.rsplit("/", 1)[1] for key in stats["forward_graph_steps"]}
-    if backend == "dense":
-        assert kinds <= {"base", "dense", "single"} and "dense" in kinds, kinds
+    if backend == "tpu_table":
+        assert kinds <= {"base", "onehot", "single"} and "onehot" in kinds, kinds
 
 
 def _note_slots(plan: dict, slot_steps: list) -> dict:

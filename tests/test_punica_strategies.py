@@ -20,7 +20,7 @@ MAX_LORAS, RANK, DIM, SLICES = 20, 8, 64, [64, 32, 32]
     ("single", 1, 16, DIM), ("onehot", 4, 16, DIM), ("gathered", 8, 32, DIM),
     ("gathered", 16, 64, DIM), ("gathered", 8, 32, 40),  # 40: not a multiple of the vector width
     ("grouped", 16, 64, DIM), ("grouped", 8, 256, DIM), ("slots", 8, 32, DIM),
-    ("slots", 16, 64, 40), ("dense", 4, 16, DIM), ("dense", 16, 64, 40)])
+    ("slots", 16, 64, 40), ("onehot", 16, 64, 40)])
 def test_strategy_matches_reference(strategy, num_slots, num_tokens, dim):
     rng = np.random.default_rng(num_slots * 100 + num_tokens)
     gen = torch.Generator().manual_seed(num_tokens)
@@ -119,8 +119,8 @@ def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
         num_tokens, DIM, generator=gen), y0=torch.randn(num_tokens, sum(SLICES), generator=gen))
 
 
-def test_tpu_backend_rule_and_dense_table(monkeypatch):
-    """lora_backend="auto": the xla backend off a TPU; on a TPU the xla backend's dense
+def test_tpu_backend_rule_and_onehot_table(monkeypatch):
+    """lora_backend="auto": the xla backend off a TPU; on a TPU the xla backend's onehot
     strategy in every graph with 2+ adapters ("single" for one) up to max_loras *
     max_lora_rank = 256 (measured range, benchmarks/tpu_lora_layer.py), Pallas beyond;
     an explicit backend stands."""
@@ -135,5 +135,5 @@ def test_tpu_backend_rule_and_dense_table(monkeypatch):
     punica.max_loras = 16
     assert punica.on_tpu
     for t, s in ((16, 8), (64, 16), (256, 16), (512, 4), (16, 2)):
-        assert punica.xla_strategy(t, s) == "dense", (t, s)
+        assert punica.xla_strategy(t, s) == "onehot", (t, s)
     assert punica.xla_strategy(16, 1) == punica.xla_strategy(512, 1) == "single"

@@ -1,9 +1,9 @@
 """What only a TPU can show (run by .buildkite/run-tpu-tests.sh; skipped elsewhere):
 the Mosaic-compiled Pallas LoRA kernels against the float32 reference, the engine on
 torch_xla's ragged-paged-attention kernel against HF, end-to-end multi-LoRA generation
-against PEFT on the real kernels (lora_backend="pallas") and on the xla backend's dense
+against PEFT on the real kernels (lora_backend="pallas") and on the xla backend's onehot
 strategy that "auto" picks there, and no compilation after warm-up on the TPU runtime
-(with "auto": the dense graphs).
+(with "auto": the onehot graphs).
 
 Engines run in float32 with matmul precision "highest": TPU's default f32 matmul uses
 bfloat16 passes, which would make exact greedy parity with the CPU oracle a coin toss.
@@ -91,7 +91,7 @@ def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
     assert llm.llm_engine.stats()["compilations_after_warmup"] == 0
 
 
-# "auto" on a TPU with 4 slots x rank 16: the xla backend's dense strategy (step_layout)
+# "auto" on a TPU with 4 slots x rank 16: the xla backend's onehot strategy (step_layout)
 @pytest.mark.parametrize("backend", ["pallas", "auto"])
 def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, backend):
     from vllm_tpu_lora.testing.factory import make_peft_adapter
@@ -119,7 +119,7 @@ def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, 
     if backend == "pallas":
         assert kinds - {"base"} == {"pallas"}, kinds
     else:
-        assert "dense" in kinds and kinds <= {"base", "dense", "single"}, kinds
+        assert "onehot" in kinds and kinds <= {"base", "onehot", "single"}, kinds
 
 
 def test_no_recompilation_on_tpu_while_adapters_swap(llama_dir, tmp_path_factory):

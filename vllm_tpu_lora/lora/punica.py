@@ -5,8 +5,7 @@ Per step the runner asks `plan_step` for the step's host arrays (numpy, built on
 step, see lora/step_layout.py), uploads them, and hands them to `set_step` with the step's
 LoRA-slot bucket S. S is the only Python-level value and it is part of the graph key:
 S = 0 traces no LoRA op at all, and the cost of the LoRA ops grows with S, not max_loras
-(except the "slots" graphs below, used only where S is above half of max_loras, and the
-TPU's "dense" graphs, which contract over every slot).
+(except the "slots" graphs below, used only where S is above half of max_loras).
 
 Single device (`fuse_slices`): every op indexes the full stacked buffers by device slot,
 and on the xla backend they are held transposed, `lora_a[max_loras, D, R]` /
@@ -16,13 +15,14 @@ product fastest over a non-minor axis, where the output's minor axis vectorises,
 batched and one-hot matmuls then read B with the rank axis first, as they contract it.
 A packed layer
 (qkv, gate_up) shrinks once over its slices' concatenated A (vLLM's fused slices; the
-slots and dense strategies and the Pallas path instead run one product per slice, as
-concatenating would copy every slot's weights):
-  - xla on a TPU, every graph with S >= 2 "dense" (S = 1: "single"): both products
-    one-hot over every device slot in token order (no gather of rows or weights, no
-    scatter back), which measured faster there than the Pallas path in every bucket
-    with every slot in use, up to max_loras * max_lora_rank = 256
-    (step_layout.TPU_DENSE_MAX_SLOT_RANKS; "auto" picks this backend on a TPU only then).
+slots strategy and the Pallas path instead run one product per slice, as concatenating
+would copy every slot's weights):
+  - xla on a TPU, every graph with S >= 2 "onehot" (S = 1: "single"): the S active
+    adapters' weights copied out, one product over all of them in token order selected
+    by a [T, S] one-hot (no gather of rows, no scatter back). It measured faster there
+    than the Pallas path, and than a one-hot over every device slot, in every bucket
+    measured up to max_loras * max_lora_rank = 256 (step_layout.TPU_ONEHOT_MAX_SLOT_RANKS;
+    "auto" picks this backend on a TPU only then).
   - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64
     tokens, where S is above half of max_loras, "slots": each adapter's tokens in its
     own device slot's rows, one batched matmul per slice over the buffers as they lie
@@ -55,13 +55,13 @@ from vllm_tpu_lora.runner import buckets
 
 def resolve_lora_backend(requested: str, max_loras: int, max_rank: int) -> str:
     """The LoRA backend of a single-device engine: "auto" is the xla backend off a TPU;
-    on a TPU it is too (its dense strategy) while max_loras * max_lora_rank is within
-    step_layout.TPU_DENSE_MAX_SLOT_RANKS, the range where that was measured faster
+    on a TPU it is too (its onehot strategy) while max_loras * max_lora_rank is within
+    step_layout.TPU_ONEHOT_MAX_SLOT_RANKS, the range where that was measured faster
     than the Pallas path, and "pallas" above it. An explicit choice stands. (The op-level
     ops.resolve_backend maps "auto" to the kernels on a TPU; this is the engine's rule.)"""
     if requested != "auto":
         return ops.resolve_backend(requested)
-    if platform.is_tpu() and max_loras * max_rank > step_layout.TPU_DENSE_MAX_SLOT_RANKS:
+    if platform.is_tpu() and max_loras * max_rank > step_layout.TPU_ONEHOT_MAX_SLOT_RANKS:
         return "pallas"
     return "xla"
 
@@ -73,7 +73,7 @@ class PunicaWrapper:
         # xla backend: None picks per graph (xla_strategy); benchmarks force one.
         self.force_strategy: str | None = None
         self.force_block: int | None = None
-        self.max_loras = 0  # device slots: the slots and dense strategies read all of them
+        self.max_loras = 0  # device slots: the slots strategy reads all of them
         self.on_tpu = platform.is_tpu()  # the xla strategy table differs there
         self.num_active_slots = 0  # the slot bucket S of the graph being traced
         # Some layers hold per-slot vectors (LoRA bias, DoRA): every step then also carries
@@ -123,7 +123,7 @@ class PunicaWrapper:
         block = self.token_block(dtype, token_pos.shape[0], num_slots)
         if strategy == "grouped":
             return step_layout.segment_layout(token_pos, active_slots, num_slots, block)
-        if strategy in ("gathered", "dense"):
+        if strategy == "gathered":
             return step_layout.token_slot_layout(token_pos, active_slots)
         if strategy == "split":
             return step_layout.split_layout(token_pos, active_slots, num_slots)
@@ -228,8 +228,6 @@ class PunicaWrapper:
             return self._onehot_linear(y, x, lora_a, lora_b)
         if strategy == "gathered":
             return self._gathered_linear(y, x, lora_a, lora_b)
-        if strategy == "dense":
-            return self._dense_linear(y, x, lora_a, lora_b)
         if strategy == "split":
             return self._light_linear(self._onehot_linear(y, x, lora_a, lora_b), x, lora_a,
                                       lora_b)
@@ -304,31 +302,6 @@ class PunicaWrapper:
             deltas.append(xi @ b.reshape(s * rank, b.shape[2]))
         return y + torch.cat(deltas, dim=1).to(y.dtype)
 
-    def _slot_onehot(self, dtype: torch.dtype, num_slots: int) -> torch.Tensor:
-        """[T, N]: 1 at each token's DEVICE slot among all N, 0 for tokens without one."""
-        slots = torch.arange(num_slots, device=self.step["token_slot"].device,
-                             dtype=self.step["token_slot"].dtype)
-        hit = (self.step["token_slot"][:, None] == slots) & self.step["token_valid"][:, None]
-        return hit.to(dtype)
-
-    def _dense_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
-        """Every token times every device slot's A ([D, N*R] as the buffers lie), masked
-        to its own slot, then the same against B ([N*R, O]): two dense products per slice
-        in token order, no weight copy, no row gather or scatter (the TPU's strategy, see
-        step_layout.TPU_DENSE_MAX_SLOT_RANKS). FLOPs T*N*R*(D+O); free slots are zero and
-        slot buffers hold only finite values, so the mask is exact."""
-        n = lora_a[0].shape[0]
-        onehot = self._slot_onehot(x.dtype, n)[:, :, None]
-        xa = [torch.einsum("td,ndr->tnr", x, la.to(x.dtype)) * onehot for la in lora_a]
-        return self._dense_expand(y, xa, lora_b)
-
-    @staticmethod
-    def _dense_expand(y, xa: list[torch.Tensor], lora_b) -> torch.Tensor:
-        """xa[i] [T, N, R], zero outside each token's slot -> y + concat_i(xa_i @ B_i)."""
-        deltas = [xi.reshape(xi.shape[0], -1) @ lb.reshape(-1, lb.shape[2]).to(xi.dtype)
-                  for xi, lb in zip(xa, lora_b)]
-        return y + torch.cat(deltas, dim=1).to(y.dtype)
-
     def _gathered_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
         """bgmv: each token's own adapter weights gathered by its device slot, then per-token
         matrix-vector products as multiply + sum over a non-minor axis (XLA CPU ran them
@@ -400,9 +373,6 @@ class PunicaWrapper:
         if strategy == "onehot":
             return self._onehot_expand(y, xa[:, None, :] * self._onehot(xa.dtype)[:, :, None],
                                        [lora_b])
-        if strategy == "dense":
-            onehot = self._slot_onehot(xa.dtype, n)[:, :, None]
-            return self._dense_expand(y, [xa[:, None, :] * onehot], [lora_b])
         if strategy in ("gathered", "split"):  # split: token_slot is there (slot_vectors)
             return self._gathered_expand(y, xa, [lora_b])
         ys = _to_segments(xa, self.step["perm"], self.step["row_valid"])

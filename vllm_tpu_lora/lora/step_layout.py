@@ -94,32 +94,30 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 # one adapter's prefill tokens often exceed a slot's 2T/S rows), replayed there at +136 ms
 # over the base graph at T=256 (slots +38) and +195 at T=512 (slots +93). On
 # benchmark_lora.py all 9 prefill steps fit (256 tokens over 8 slots: 64 rows each).
-# Dense (the xla backend's strategy on a TPU): both products one-hot over EVERY device
-# slot, in token order: x @ A viewed [D, N*R], masked to each token's slot, times B
-# viewed [N*R, O]. FLOPs T*N*R*(D+O), no gather of rows or weights, and the delta lands
-# in token order, so no output-sized scatter. Measured on a TPU v5e in JAX
-# (benchmarks/tpu_lora_layer.py: Llama-3-8B's four LoRA linears, bf16, rank 16, every
-# one of N slots used; docs/results/tpu_lora_layer.jsonl run 3), base / (base + LoRA),
-# the Pallas path as the engine composed it (a gather into segment order, the kernels,
-# a scatter back, per slice) | dense:
-#   T=16:   N=1 0.84 | 0.89;  N=8 0.79 | 0.84;  N=16 0.69 | 0.82
-#   T=256:  N=1 0.65 | 0.82;  N=8 0.61 | 0.80;  N=16 0.55 | 0.78
-#   T=1024: N=1 0.73 | 0.86;  N=8 0.69 | 0.85;  N=16 0.66 | 0.83
+# On a TPU (xla backend): "onehot" for every graph with S >= 2, "single" for S = 1. The
+# TPU moves weights cheaply and rows between segment and token order dearly. Measured on
+# a TPU v5e in JAX (benchmarks/tpu_lora_layer.py: Llama-3-8B's four LoRA linears, bf16,
+# rank 16; docs/results/tpu_lora_layer.jsonl runs 4-6), linears-only base / (base +
+# LoRA) for N slots with A of them in use: the Pallas path as the engine composes it (a
+# gather into segment order, the kernels, a scatter back, per slice) | "dense" (both
+# products one-hot over every device slot in token order, no weight copy: the TPU's
+# strategy until runs 5-6) | onehot:
+#   T=16:   N=8 A=8 0.78 | 0.84 | 0.88;  N=16 A=16 0.69 | 0.81 | 0.87;  A=2 0.81 | 0.81 | 0.89
+#   T=256:  N=8 A=8 0.60 | 0.79 | 0.83;  N=16 A=16 0.54 | 0.77 | 0.81;  A=2 0.61 | 0.77 | 0.82
+#   T=1024: N=8 A=8 0.66 | 0.83 | 0.85;  N=16 A=16 0.64 | 0.82 | 0.84;  A=2 0.69 | 0.82 | 0.85
+# and at N=4 slots of rank 64: 0.80 | 0.82 | 0.88, 0.61 | 0.77 | 0.81, 0.69 | 0.82 | 0.83.
 # The Pallas kernels themselves are cheap there; what costs is the output-sized gather,
-# mask and add that put their segment-ordered rows back in token order (at 256 tokens
-# the gate_up delta was 0.19-0.32 ms on the Pallas path against 0.06-0.09 dense).
-# Measured with every one of the N slots in use, up to N*R = 256, the edge of what was
-# measured: "auto" keeps Pallas beyond it (dense's FLOPs grow with N*R, and the Pallas
-# kernels alone beat a one-hot product 1.4-2.5x at 16 adapters of rank 64 in
-# tpu_kernels.py; the composed paths were not measured there). Dense pays for all
-# max_loras slots whatever the step's S, so S = 1 keeps "single" (a plain x @ A[slot]:
-# the N=1 cost, 0.086 ms per layer at 16 tokens, against dense's 0.153 with 16 slots);
-# steps with fewer adapters than slots were not measured on the chip. On XLA CPU it
-# loses to the table above, so only a TPU picks it: benchmark_lora shape, S = max_loras
-# = 8, the engine's graphs replayed interleaved in one process (LoRA ms over the base
-# graph), table | dense: T=16 gathered 2.7 | 3.8; T=32 gathered 3.3 | 3.9; T=64 slots
-# 4.3 | 4.3; T=256 slots 10.2 | 15.1.
-TPU_DENSE_MAX_SLOT_RANKS = 256
+# mask and add that put their segment-ordered rows back in token order. onehot beats
+# dense even with every slot in use (it shrinks a packed layer once over its slices'
+# concatenated A; dense contracts over all N slots whatever the step uses, though with
+# 2 of 16 in use onehot gained only 0.02 more; no per-op profile was taken). S = 1 keeps
+# "single" (x @ A[slot], no one-hot): 0.894 against onehot's 0.888 at 16 tokens, 0.820
+# against 0.821 at 256, 0.847 against 0.849 at 1024. All of it up to N*R = 256, the edge
+# of what was measured: "auto" keeps Pallas beyond it (onehot's FLOPs grow with S*R, and
+# the Pallas kernels alone beat a one-hot product 1.4-2.5x at 16 adapters of rank 64 in
+# tpu_kernels.py; the composed paths were not measured there). On XLA CPU the table
+# above wins (onehot is its fallback at a few buckets only).
+TPU_ONEHOT_MAX_SLOT_RANKS = 256
 
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
@@ -130,11 +128,11 @@ LIGHT_ROWS = 16  # rows of the split strategy's gathered part
 
 def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
                  on_tpu: bool = False) -> str:
-    """The xla backend's LoRA strategy for graph (T, S): on a TPU "dense" (S = 1:
+    """The xla backend's LoRA strategy for graph (T, S): on a TPU "onehot" (S = 1:
     "single"); elsewhere "slots" where it applies (its steps that do not fit run
     `fallback_strategy`), else the fallback itself."""
     if on_tpu:
-        return "single" if num_slots == 1 else "dense"
+        return "single" if num_slots == 1 else "onehot"
     if (num_slots >= 2 and 0 < max_loras < 2 * num_slots
             and SPLIT_FROM_TOKENS <= num_tokens <= SLOTS_MAX_TOKENS):
         return "slots"
