@@ -122,14 +122,16 @@ def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
 def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     """lora_backend="auto": the xla backend off a TPU; on a TPU the xla backend's onehot
     strategy in every graph with 2+ adapters ("single" for one) up to max_loras *
-    max_lora_rank = 256 (measured range, benchmarks/tpu_lora_layer.py), Pallas beyond;
+    max_lora_rank = 1024 (measured range, benchmarks/tpu_lora_layer.py), Pallas beyond;
     an explicit backend stands."""
     from vllm_tpu_lora.lora import punica as punica_mod
 
     assert punica_mod.resolve_lora_backend("auto", 64, 64) == "xla"  # not a TPU here
     monkeypatch.setattr(punica_mod.platform, "is_tpu", lambda: True)
     assert punica_mod.resolve_lora_backend("auto", 16, 16) == "xla"
-    assert punica_mod.resolve_lora_backend("auto", 16, 32) == "pallas"
+    assert punica_mod.resolve_lora_backend("auto", 16, 64) == "xla"
+    assert punica_mod.resolve_lora_backend("auto", 16, 128) == "pallas"
+    assert punica_mod.resolve_lora_backend("auto", 32, 64) == "pallas"
     assert punica_mod.resolve_lora_backend("xla", 64, 64) == "xla"
     punica = PunicaWrapper("xla", fuse_slices=True)
     punica.max_loras = 16

@@ -21,7 +21,7 @@ would copy every slot's weights):
     adapters' weights copied out, one product over all of them in token order selected
     by a [T, S] one-hot (no gather of rows, no scatter back). It measured faster there
     than the Pallas path, and than a one-hot over every device slot, in every bucket
-    measured up to max_loras * max_lora_rank = 256 (step_layout.TPU_ONEHOT_MAX_SLOT_RANKS;
+    measured up to max_loras * max_lora_rank = 1024 (step_layout.TPU_ONEHOT_MAX_SLOT_RANKS;
     "auto" picks this backend on a TPU only then).
   - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64
     tokens, where S is above half of max_loras, "slots": each adapter's tokens in its

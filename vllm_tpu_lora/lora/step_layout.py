@@ -97,7 +97,7 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 # On a TPU (xla backend): "onehot" for every graph with S >= 2, "single" for S = 1. The
 # TPU moves weights cheaply and rows between segment and token order dearly. Measured on
 # a TPU v5e in JAX (benchmarks/tpu_lora_layer.py: Llama-3-8B's four LoRA linears, bf16,
-# rank 16; docs/results/tpu_lora_layer.jsonl runs 4-6), linears-only base / (base +
+# rank 16; docs/results/tpu_lora_layer.jsonl runs 4-8), linears-only base / (base +
 # LoRA) for N slots with A of them in use: the Pallas path as the engine composes it (a
 # gather into segment order, the kernels, a scatter back, per slice) | "dense" (both
 # products one-hot over every device slot in token order, no weight copy: the TPU's
@@ -112,12 +112,15 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 # concatenated A; dense contracts over all N slots whatever the step uses, though with
 # 2 of 16 in use onehot gained only 0.02 more; no per-op profile was taken). S = 1 keeps
 # "single" (x @ A[slot], no one-hot): 0.894 against onehot's 0.888 at 16 tokens, 0.820
-# against 0.821 at 256, 0.847 against 0.849 at 1024. All of it up to N*R = 256, the edge
-# of what was measured: "auto" keeps Pallas beyond it (onehot's FLOPs grow with S*R, and
-# the Pallas kernels alone beat a one-hot product 1.4-2.5x at 16 adapters of rank 64 in
-# tpu_kernels.py; the composed paths were not measured there). On XLA CPU the table
-# above wins (onehot is its fallback at a few buckets only).
-TPU_ONEHOT_MAX_SLOT_RANKS = 256
+# against 0.821 at 256, 0.847 against 0.849 at 1024. At rank 64 with every slot in use
+# (run 8) onehot still led, Pallas | onehot: N=8 (N*R = 512) 0.76 | 0.86, 0.59 | 0.76,
+# 0.65 | 0.78 at 16 / 256 / 1024 tokens; N=16 (1024) 0.68 | 0.83, 0.53 | 0.68, 0.62 |
+# 0.68, its lead shrinking as S*R grows (the Pallas kernels alone beat a one-hot
+# product 1.4-2.5x at 16 adapters of rank 64 in tpu_kernels.py; the row reordering
+# around them is what loses). Hence up to N*R = 1024, the edge of what was measured;
+# "auto" keeps Pallas beyond it. On XLA CPU the table above wins (onehot is its
+# fallback at a few buckets only).
+TPU_ONEHOT_MAX_SLOT_RANKS = 1024
 
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
