@@ -74,7 +74,7 @@ def compositions(pk, jnp, block, interpret, precision="default"):
     def single(x, y, lay, at_s, bt_s):
         """S = 1 on a TPU (PunicaWrapper._single_slot_linear): the step's one adapter's
         A of every slice concatenated, one shrink, an expand per slice, masked."""
-        slot = lay["token_slot"][:1]
+        slot = lay["active_slots"][:1]
         a = jnp.concatenate([at[slot][0] for at in at_s], axis=1)
         xa, rank = x @ a, at_s[0].shape[2]
         deltas = [xa[:, i * rank:(i + 1) * rank] @ bt[slot][0] for i, bt in enumerate(bt_s)]
@@ -211,7 +211,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024])
     p.add_argument("--slots", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--active", type=int, nargs="+", default=[],
-                   help="also bench steps using only this many of the N slots")
+                   help="also bench steps using only this many of the N slots (use slot "
+                   "buckets, 1 2 4 8 ...: the engine pads a step's adapters to one)")
     p.add_argument("--ranks", type=int, nargs="+", default=[16])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--k", type=int, default=32, help="most inputs per dispatch")

@@ -39,6 +39,23 @@ def test_strategy_matches_reference(strategy, num_slots, num_tokens, dim):
     _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_b, x, y0)
 
 
+def test_onehot_with_fewer_adapters_than_its_bucket():
+    """The TPU's strategy in the common case: 3 adapters in a 4-slot graph. The runner
+    pads active_slots to the bucket (the padding points at slot 0, whose garbage no
+    token's one-hot selects)."""
+    rng = np.random.default_rng(3)
+    gen = torch.Generator().manual_seed(3)
+    lora_a = [torch.randn(MAX_LORAS, RANK, DIM, generator=gen) for _ in SLICES]
+    lora_b = [torch.randn(MAX_LORAS, o, RANK, generator=gen) for o in SLICES]
+    active = [5, 11, 17]  # slot 0 (the padding's) holds another adapter's garbage
+    token_pos = rng.integers(-1, len(active), size=48).astype(np.int32)
+    punica = PunicaWrapper("xla", fuse_slices=True)
+    punica.force_strategy, punica.max_loras = "onehot", MAX_LORAS
+    _check_against_reference(punica, token_pos, active, 4, lora_a, lora_b,
+                             torch.randn(48, DIM, generator=gen),
+                             torch.randn(48, sum(SLICES), generator=gen))
+
+
 @pytest.mark.parametrize("num_active,num_tokens", [(8, 64), (16, 256), (3, 64)])
 def test_split_strategy_matches_reference(num_active, num_tokens):
     """A mixed step as continuous batching makes it: a few adapters with prefill chunks
@@ -122,7 +139,8 @@ def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
 def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     """lora_backend="auto": the xla backend off a TPU; on a TPU the xla backend's onehot
     strategy in every graph with 2+ adapters ("single" for one) up to max_loras *
-    max_lora_rank = 1024 (measured range, benchmarks/tpu_lora_layer.py), Pallas beyond;
+    max_loras <= 16 and max_lora_rank <= 64 (the measured range,
+    benchmarks/tpu_lora_layer.py), Pallas beyond;
     an explicit backend stands."""
     from vllm_tpu_lora.lora import punica as punica_mod
 
@@ -130,8 +148,10 @@ def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     monkeypatch.setattr(punica_mod.platform, "is_tpu", lambda: True)
     assert punica_mod.resolve_lora_backend("auto", 16, 16) == "xla"
     assert punica_mod.resolve_lora_backend("auto", 16, 64) == "xla"
+    assert punica_mod.resolve_lora_backend("auto", 4, 64) == "xla"
     assert punica_mod.resolve_lora_backend("auto", 16, 128) == "pallas"
-    assert punica_mod.resolve_lora_backend("auto", 32, 64) == "pallas"
+    assert punica_mod.resolve_lora_backend("auto", 2, 128) == "pallas"
+    assert punica_mod.resolve_lora_backend("auto", 32, 8) == "pallas"
     assert punica_mod.resolve_lora_backend("xla", 64, 64) == "xla"
     punica = PunicaWrapper("xla", fuse_slices=True)
     punica.max_loras = 16

@@ -20,9 +20,9 @@ would copy every slot's weights):
   - xla on a TPU, every graph with S >= 2 "onehot" (S = 1: "single"): the S active
     adapters' weights copied out, one product over all of them in token order selected
     by a [T, S] one-hot (no gather of rows, no scatter back). It measured faster there
-    than the Pallas path, and than a one-hot over every device slot, in every bucket
-    measured up to max_loras * max_lora_rank = 1024 (step_layout.TPU_ONEHOT_MAX_SLOT_RANKS;
-    "auto" picks this backend on a TPU only then).
+    than the Pallas path at every point measured, up to 16 slots of rank 64, and than a
+    one-hot over every device slot up to 16 x 16 and 4 x 64 (step_layout; "auto" picks
+    this backend on a TPU only within max_loras <= 16 and max_lora_rank <= 64).
   - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64
     tokens, where S is above half of max_loras, "slots": each adapter's tokens in its
     own device slot's rows, one batched matmul per slice over the buffers as they lie
@@ -55,13 +55,13 @@ from vllm_tpu_lora.runner import buckets
 
 def resolve_lora_backend(requested: str, max_loras: int, max_rank: int) -> str:
     """The LoRA backend of a single-device engine: "auto" is the xla backend off a TPU;
-    on a TPU it is too (its onehot strategy) while max_loras * max_lora_rank is within
-    step_layout.TPU_ONEHOT_MAX_SLOT_RANKS, the range where that was measured faster
-    than the Pallas path, and "pallas" above it. An explicit choice stands. (The op-level
-    ops.resolve_backend maps "auto" to the kernels on a TPU; this is the engine's rule.)"""
+    on a TPU it is too (its onehot strategy) within step_layout.tpu_onehot_measured, the
+    range where that was measured faster than the Pallas path, and "pallas" beyond it.
+    An explicit choice stands. (The op-level ops.resolve_backend maps "auto" to the
+    kernels on a TPU; this is the engine's rule.)"""
     if requested != "auto":
         return ops.resolve_backend(requested)
-    if platform.is_tpu() and max_loras * max_rank > step_layout.TPU_ONEHOT_MAX_SLOT_RANKS:
+    if platform.is_tpu() and not step_layout.tpu_onehot_measured(max_loras, max_rank):
         return "pallas"
     return "xla"
 

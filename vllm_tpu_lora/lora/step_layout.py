@@ -110,17 +110,26 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 # mask and add that put their segment-ordered rows back in token order. onehot beats
 # dense even with every slot in use (it shrinks a packed layer once over its slices'
 # concatenated A; dense contracts over all N slots whatever the step uses, though with
-# 2 of 16 in use onehot gained only 0.02 more; no per-op profile was taken). S = 1 keeps
-# "single" (x @ A[slot], no one-hot): 0.894 against onehot's 0.888 at 16 tokens, 0.820
-# against 0.821 at 256, 0.847 against 0.849 at 1024. At rank 64 with every slot in use
+# 2 of 16 in use onehot gained about 0.02 more; no per-op profile was taken). S = 1
+# keeps "single" (x @ A[slot], no one-hot or weight copy) on a tie: 0.894 against
+# onehot's 0.888 at 16 tokens, 0.820 against 0.821 at 256, 0.847 against 0.849 at 1024
+# (noise either way; single is the simpler graph). At rank 64 with every slot in use
 # (run 8) onehot still led, Pallas | onehot: N=8 (N*R = 512) 0.76 | 0.86, 0.59 | 0.76,
 # 0.65 | 0.78 at 16 / 256 / 1024 tokens; N=16 (1024) 0.68 | 0.83, 0.53 | 0.68, 0.62 |
 # 0.68, its lead shrinking as S*R grows (the Pallas kernels alone beat a one-hot
 # product 1.4-2.5x at 16 adapters of rank 64 in tpu_kernels.py; the row reordering
-# around them is what loses). Hence up to N*R = 1024, the edge of what was measured;
-# "auto" keeps Pallas beyond it. On XLA CPU the table above wins (onehot is its
-# fallback at a few buckets only).
-TPU_ONEHOT_MAX_SLOT_RANKS = 1024
+# around them is what loses). Measured: 1-16 slots at rank 16, 4-16 at rank 64, 16, 256
+# and 1024 tokens; "auto" picks onehot within that box (more slots mean wider copies
+# and one-hots, higher ranks more FLOPs: neither was measured) and Pallas beyond it. On
+# XLA CPU the table above wins (onehot is its fallback at a few buckets only).
+TPU_ONEHOT_MAX_LORAS = 16
+TPU_ONEHOT_MAX_RANK = 64
+
+
+def tpu_onehot_measured(max_loras: int, max_rank: int) -> bool:
+    """Whether a TPU engine's slots fall within the range where onehot was measured
+    faster than the Pallas path (lora_backend="auto" picks xla there)."""
+    return max_loras <= TPU_ONEHOT_MAX_LORAS and max_rank <= TPU_ONEHOT_MAX_RANK
 
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
