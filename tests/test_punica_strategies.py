@@ -138,10 +138,9 @@ def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
 
 def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     """lora_backend="auto": the xla backend off a TPU; on a TPU the xla backend's onehot
-    strategy in every graph with 2+ adapters ("single" for one) up to max_loras *
-    max_loras <= 16 and max_lora_rank <= 64 (the measured range,
-    benchmarks/tpu_lora_layer.py), Pallas beyond;
-    an explicit backend stands."""
+    strategy in every graph with 2+ adapters ("single" for one) while max_loras <= 16
+    and max_lora_rank <= 64 (the measured range, benchmarks/tpu_lora_layer.py), Pallas
+    beyond; an explicit backend stands."""
     from vllm_tpu_lora.lora import punica as punica_mod
 
     assert punica_mod.resolve_lora_backend("auto", 64, 64) == "xla"  # not a TPU here
