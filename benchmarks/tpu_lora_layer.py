@@ -42,7 +42,7 @@ def step_arrays(jnp, token_slot, n, block):
     step_layout, slots = load_torch_free("lora.step_layout"), list(range(n))
     arrays = {**step_layout.segment_layout(token_slot, slots, n, block),
               **step_layout.token_slot_layout(token_slot, slots),
-              "token_lora_idx": token_slot, "active_slots": np.arange(n, dtype=np.int32)}
+              **step_layout.onehot_layout(token_slot, slots, n)}
     return {k: jnp.asarray(v) for k, v in arrays.items()}
 
 

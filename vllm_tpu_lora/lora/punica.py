@@ -127,9 +127,7 @@ class PunicaWrapper:
             return step_layout.token_slot_layout(token_pos, active_slots)
         if strategy == "split":
             return step_layout.split_layout(token_pos, active_slots, num_slots)
-        active = np.zeros(num_slots, np.int32)
-        active[: len(active_slots)] = active_slots
-        arrays = {"token_lora_idx": token_pos.astype(np.int32), "active_slots": active}
+        arrays = step_layout.onehot_layout(token_pos, active_slots, num_slots)
         if self.fuse_slices and self.backend == "pallas":
             arrays.update(step_layout.segment_layout(token_pos, active_slots, num_slots, block))
         return arrays  # one-hot, Pallas (its SegmentLayout carries idx), tensor parallel

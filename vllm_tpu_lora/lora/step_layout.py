@@ -272,6 +272,16 @@ def single_slot_layout(token_pos: np.ndarray, active_slots: list[int]) -> dict[s
     return {"slot": slot, "token_valid": token_pos >= 0}
 
 
+def onehot_layout(token_pos: np.ndarray, active_slots: list[int],
+                  num_slots: int) -> dict[str, np.ndarray]:
+    """The onehot strategy (and the Pallas and tensor-parallel paths): each token's
+    position among the step's adapters, and their device slots padded to the graph's S
+    (padding points at slot 0; no token's one-hot selects it)."""
+    active = np.zeros(num_slots, np.int32)
+    active[: len(active_slots)] = active_slots
+    return {"token_lora_idx": token_pos.astype(np.int32), "active_slots": active}
+
+
 def token_slot_layout(token_pos: np.ndarray, active_slots: list[int]) -> dict[str, np.ndarray]:
     """The gathered strategy: each token's DEVICE slot (0 for tokens without an adapter,
     whose delta is masked out by token_valid)."""
