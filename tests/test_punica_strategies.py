@@ -138,19 +138,20 @@ def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
 
 def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     """lora_backend="auto": the xla backend off a TPU; on a TPU the xla backend's onehot
-    strategy in every graph with 2+ adapters ("single" for one) while max_loras <= 16
-    and max_lora_rank <= 64 (the measured range, benchmarks/tpu_lora_layer.py), Pallas
-    beyond; an explicit backend stands."""
+    strategy in every graph with 2+ adapters ("single" for one) while max_loras <= 64
+    and max_loras * max_lora_rank <= 1024 (where it was measured faster,
+    benchmarks/tpu_lora_layer.py), Pallas beyond; an explicit backend stands."""
     from vllm_tpu_lora.lora import punica as punica_mod
 
-    assert punica_mod.resolve_lora_backend("auto", 64, 64) == "xla"  # not a TPU here
+    assert punica_mod.resolve_lora_backend("auto", 64, 512) == "xla"  # not a TPU here
     monkeypatch.setattr(punica_mod.platform, "is_tpu", lambda: True)
-    assert punica_mod.resolve_lora_backend("auto", 16, 16) == "xla"
-    assert punica_mod.resolve_lora_backend("auto", 16, 64) == "xla"
-    assert punica_mod.resolve_lora_backend("auto", 4, 64) == "xla"
-    assert punica_mod.resolve_lora_backend("auto", 16, 128) == "pallas"
-    assert punica_mod.resolve_lora_backend("auto", 2, 128) == "pallas"
-    assert punica_mod.resolve_lora_backend("auto", 32, 8) == "pallas"
+    # The measured edge, S * R = 1024 from 2 slots of rank 512 to 64 of rank 16, and inside.
+    for loras, rank in ((64, 16), (32, 32), (16, 64), (8, 128), (4, 256), (2, 512),
+                        (16, 16), (1, 512), (32, 8)):
+        assert punica_mod.resolve_lora_backend("auto", loras, rank) == "xla", (loras, rank)
+    # Past it: S * R = 2048 (onehot lost at 1024 tokens), and 128 slots (not measured).
+    for loras, rank in ((32, 64), (16, 128), (64, 32), (128, 8)):
+        assert punica_mod.resolve_lora_backend("auto", loras, rank) == "pallas", (loras, rank)
     assert punica_mod.resolve_lora_backend("xla", 64, 64) == "xla"
     punica = PunicaWrapper("xla", fuse_slices=True)
     punica.max_loras = 16

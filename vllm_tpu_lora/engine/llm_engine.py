@@ -102,16 +102,17 @@ class LLMEngine:
         max_lora_rank (lora/punica.py resolve_lora_backend), and warn where an explicit
         'xla' runs the TPU's onehot strategy past the range that rule measured."""
         from vllm_tpu_lora.lora.punica import resolve_lora_backend
-        from vllm_tpu_lora.lora.step_layout import TPU_ONEHOT_MAX_LORAS, TPU_ONEHOT_MAX_RANK
+        from vllm_tpu_lora.lora.step_layout import TPU_ONEHOT_MAX_LORAS, TPU_ONEHOT_MAX_WIDTH
 
         logger.info("LoRA backend: %s (lora_backend=%r, max_loras=%d, max_lora_rank=%d)",
                     backend, lc.lora_backend, lc.max_loras, lc.max_lora_rank)
         auto = resolve_lora_backend("auto", lc.max_loras, lc.max_lora_rank)
         if self.tp is None and backend == "xla" and auto == "pallas":
             logger.warning("lora_backend='xla' on a TPU runs its onehot strategy, which was "
-                           "measured only up to max_loras=%d and max_lora_rank=%d (here %d "
-                           "and %d); 'auto' would pick 'pallas'", TPU_ONEHOT_MAX_LORAS,
-                           TPU_ONEHOT_MAX_RANK, lc.max_loras, lc.max_lora_rank)
+                           "measured faster than 'pallas' only up to max_loras=%d and "
+                           "max_loras * max_lora_rank=%d (here %d * %d); 'auto' would pick "
+                           "'pallas'", TPU_ONEHOT_MAX_LORAS, TPU_ONEHOT_MAX_WIDTH,
+                           lc.max_loras, lc.max_lora_rank)
 
     def _check_kernel_budget(self, dtype) -> None:
         """Refuse, before compiling anything, a configuration whose Pallas LoRA kernels

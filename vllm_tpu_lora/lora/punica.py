@@ -20,9 +20,10 @@ would copy every slot's weights):
   - xla on a TPU, every graph with S >= 2 "onehot" (S = 1: "single"): the S active
     adapters' weights copied out, one product over all of them in token order selected
     by a [T, S] one-hot (no gather of rows, no scatter back). It measured faster there
-    than the Pallas path at every point measured, up to 16 slots of rank 64, and than a
-    one-hot over every device slot up to 16 x 16 and 4 x 64 (step_layout; "auto" picks
-    this backend on a TPU only within max_loras <= 16 and max_lora_rank <= 64).
+    than the Pallas path wherever slots x rank <= 1024 (up to 64 slots of rank 16 or 2
+    of rank 512), and than a one-hot over every device slot up to 16 x 16 and 4 x 64
+    (step_layout; "auto" picks this backend on a TPU only within
+    step_layout.tpu_onehot_measured: max_loras <= 64 and max_loras * max_lora_rank <= 1024).
   - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64
     tokens, where S is above half of max_loras, "slots": each adapter's tokens in its
     own device slot's rows, one batched matmul per slice over the buffers as they lie

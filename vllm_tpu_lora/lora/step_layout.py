@@ -118,18 +118,33 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 # 0.65 | 0.78 at 16 / 256 / 1024 tokens; N=16 (1024) 0.68 | 0.83, 0.53 | 0.68, 0.62 |
 # 0.68, its lead shrinking as S*R grows (the Pallas kernels alone beat a one-hot
 # product 1.4-2.5x at 16 adapters of rank 64 in tpu_kernels.py; the row reordering
-# around them is what loses). Measured: 1-16 slots at rank 16, 4-16 at rank 64, 16, 256
-# and 1024 tokens; "auto" picks onehot within that box (more slots mean wider copies
-# and one-hots, higher ranks more FLOPs: neither was measured) and Pallas beyond it. On
-# XLA CPU the table above wins (onehot is its fallback at a few buckets only).
-TPU_ONEHOT_MAX_LORAS = 16
-TPU_ONEHOT_MAX_RANK = 64
+# around them is what loses). Runs 9-10 went past that box to find where it turns, every
+# slot in use, Pallas | onehot at 16 / 256 / 1024 tokens, by S*R (the one-hot's width,
+# which sizes both its weight copy and its FLOPs):
+#   S*R = 512:  N=32 R=16 0.63 | 0.80, 0.46 | 0.75, 0.63 | 0.77
+#   S*R = 1024: N=64 R=16 0.61 | 0.78, 0.34 | 0.66, 0.53 | 0.67;  N=32 R=32 0.63 | 0.69,
+#               0.46 | 0.66, 0.62 | 0.67;  N=8 R=128 0.65 | 0.83, 0.56 | 0.68, 0.64 |
+#               0.68;  N=4 R=256 0.64 | 0.82, 0.55 | 0.68, 0.64 | 0.68;  N=2 R=512
+#               0.62 | 0.83, 0.50 | 0.68, 0.60 | 0.68
+#   S*R = 2048: N=32 R=64 0.59 | 0.61, 0.44 | 0.53, 0.61 | 0.54;  N=16 R=128 0.55 | 0.72,
+#               0.48 | 0.54, 0.59 | 0.54 (onehot loses at 1024 tokens)
+#   S*R = 4096: N=32 R=128 0.53 | 0.49, 0.36 | 0.38, 0.56 | 0.38
+# and at 64 / 128 tokens (decode buckets) N=16 R=16: 0.65 | 0.85, 0.62 | 0.84. So "auto"
+# picks onehot while max_loras * max_lora_rank <= 1024, where it won at every token count
+# measured, and max_loras <= 64 (more slots were not measured); Pallas beyond. Steps that
+# use fewer adapters than slots run a narrower one-hot (8 of 32 slots at rank 16: onehot
+# 0.87 and 0.85 at 16 and 1024 tokens, Pallas 0.70 and 0.65), so an engine past the rule
+# with few adapters per step would still gain from onehot: the rule goes by the widest
+# step.
+# On XLA CPU the table above wins (onehot is its fallback at a few buckets only).
+TPU_ONEHOT_MAX_WIDTH = 1024  # max_loras * max_lora_rank
+TPU_ONEHOT_MAX_LORAS = 64
 
 
 def tpu_onehot_measured(max_loras: int, max_rank: int) -> bool:
     """Whether a TPU engine's slots fall within the range where onehot was measured
     faster than the Pallas path (lora_backend="auto" picks xla there)."""
-    return max_loras <= TPU_ONEHOT_MAX_LORAS and max_rank <= TPU_ONEHOT_MAX_RANK
+    return max_loras <= TPU_ONEHOT_MAX_LORAS and max_loras * max_rank <= TPU_ONEHOT_MAX_WIDTH
 
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
