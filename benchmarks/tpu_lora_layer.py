@@ -149,12 +149,12 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
                 got[what] = np.asarray(fn(x, y, lay, at_s, bt_s).astype(jnp.float32), np.float64)
         x64 = np.asarray(x.astype(jnp.float32), np.float64)
         ref = np.zeros_like(got["per_slice"])
-        for tok, s in enumerate(token_slot):
-            if s >= 0:
-                ref[tok] = np.concatenate([
-                    x64[tok] @ np.asarray(a[s].astype(jnp.float32), np.float64).T
-                    @ np.asarray(b[s].astype(jnp.float32), np.float64).T
-                    for a, b in zip(a_s, b_s)])
+        for s in set(token_slot.tolist()) - {-1}:  # each slot's weights fetched once
+            rows = token_slot == s
+            ref[rows] = np.concatenate([
+                x64[rows] @ np.asarray(a[s].astype(jnp.float32), np.float64).T
+                @ np.asarray(b[s].astype(jnp.float32), np.float64).T
+                for a, b in zip(a_s, b_s)], axis=1)
         rms = float(np.sqrt(np.mean(ref ** 2))) or 1.0
         errs = {what: float(np.max(np.abs(g - ref))) / rms for what, g in got.items()}
         base_rows_zero = all(bool(np.all(g[token_slot < 0] == 0)) for g in got.values())
@@ -213,7 +213,7 @@ def main(argv=None):
     p.add_argument("--active", type=int, nargs="+", default=[],
                    help="also bench steps using only this many of the N slots (use slot "
                    "buckets, 1 2 4 8 ...: the engine pads a step's adapters to one)")
-    p.add_argument("--ranks", type=int, nargs="+", default=[16])
+    p.add_argument("--ranks", type=int, nargs="+", default=[16], help="of the checks and the bench")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--k", type=int, default=32, help="most inputs per dispatch")
     p.add_argument("--reps", type=int, default=10)
@@ -228,9 +228,10 @@ def main(argv=None):
     linears = QUICK if args.quick else LLAMA3_8B
     parts = args.parts.split(",")
     if "check" in parts:
-        for t, n in (((24, 3),) if args.quick else ((16, 1), (48, 4), (300, 8))):
-            for dtype in ("float32", "bfloat16"):
-                layer_check(pk, bs, jnp, linears, t, n, 16, dtype, args.interpret)
+        for r in args.ranks:
+            for t, n in (((24, 3),) if args.quick else ((16, 1), (48, 4), (300, 8))):
+                for dtype in ("float32", "bfloat16"):
+                    layer_check(pk, bs, jnp, linears, t, n, r, dtype, args.interpret)
     if "bench" in parts:
         grid = [(16, 2, a, 16) for a in (2, 1)] if args.quick else [
             (t, n, a, r) for r in args.ranks for t in args.tokens for n in args.slots
