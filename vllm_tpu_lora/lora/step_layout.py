@@ -118,7 +118,7 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 # 0.65 | 0.78 at 16 / 256 / 1024 tokens; N=16 (1024) 0.68 | 0.83, 0.53 | 0.68, 0.62 |
 # 0.68, its lead shrinking as S*R grows (the Pallas kernels alone beat a one-hot
 # product 1.4-2.5x at 16 adapters of rank 64 in tpu_kernels.py; the row reordering
-# around them is what loses). Runs 9-10 went past that box to find where it turns, every
+# around them is what loses). Runs 9-10 went past 16 slots of rank 64 to where it turns, every
 # slot in use, Pallas | onehot at 16 / 256 / 1024 tokens, by S*R (the one-hot's width,
 # which sizes both its weight copy and its FLOPs):
 #   S*R = 512:  N=32 R=16 0.63 | 0.80, 0.46 | 0.75, 0.63 | 0.77
@@ -131,11 +131,11 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 #   S*R = 4096: N=32 R=128 0.53 | 0.49, 0.36 | 0.38, 0.56 | 0.38
 # and at 64 / 128 tokens (decode buckets) N=16 R=16: 0.65 | 0.85, 0.62 | 0.84. So "auto"
 # picks onehot while max_loras * max_lora_rank <= 1024, where it won at every token count
-# measured, and max_loras <= 64 (more slots were not measured); Pallas beyond. Steps that
-# use fewer adapters than slots run a narrower one-hot (8 of 32 slots at rank 16: onehot
-# 0.87 and 0.85 at 16 and 1024 tokens, Pallas 0.70 and 0.65), so an engine past the rule
-# with few adapters per step would still gain from onehot: the rule goes by the widest
-# step.
+# measured (16-1024; more tokens were not), and max_loras <= 64 (more slots were not
+# measured); Pallas beyond. The rule goes by max_loras, the widest step; steps using fewer
+# of the slots run a narrower one-hot (8 of 32 slots at rank 16: onehot 0.87 and 0.85 at
+# 16 and 1024 tokens, Pallas 0.70 and 0.65), so past the rule an engine whose steps use
+# few of its slots may lose by running Pallas (no such step past the rule was measured).
 # On XLA CPU the table above wins (onehot is its fallback at a few buckets only).
 TPU_ONEHOT_MAX_WIDTH = 1024  # max_loras * max_lora_rank
 TPU_ONEHOT_MAX_LORAS = 64
