@@ -149,8 +149,9 @@ def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     for loras, rank in ((64, 16), (32, 32), (16, 64), (8, 128), (4, 256), (2, 512),
                         (16, 16), (1, 512), (32, 8)):
         assert punica_mod.resolve_lora_backend("auto", loras, rank) == "xla", (loras, rank)
-    # Past it: S * R = 2048 (onehot lost at 1024 tokens), and 128 slots (not measured).
-    for loras, rank in ((32, 64), (16, 128), (64, 32), (128, 8)):
+    # Past it: S * R = 2048 (onehot lost at 1024 tokens), just over 1024, and more than
+    # 64 slots (not measured) even when narrow.
+    for loras, rank in ((32, 64), (16, 128), (64, 32), (33, 32), (128, 8), (65, 8)):
         assert punica_mod.resolve_lora_backend("auto", loras, rank) == "pallas", (loras, rank)
     assert punica_mod.resolve_lora_backend("xla", 64, 64) == "xla"
     punica = PunicaWrapper("xla", fuse_slices=True)
