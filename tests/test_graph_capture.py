@@ -192,3 +192,21 @@ def test_guard_catches_a_recapture_after_warmup(lora_llm):
         with runner.guard.watch("test"):
             runner._forward(runner._dummy(48, runner.request_ladder[0], 1), 1)
     assert runner.guard.captures_after_warmup >= 1
+
+
+def test_persistent_cache_after_earlier_xla_work_warns_and_goes_on(monkeypatch, tmp_path, caplog):
+    """torch_xla takes its persistent compilation cache only before the process's first XLA
+    computation; an engine made after tensor work (on the TPU, tests/test_tpu.py's engines
+    after its kernel test) failed at start with torch_xla's assertion. It must start without
+    the cache, saying so. The TPU-only path is taken here on CPU by answering is_tpu()."""
+    import logging
+
+    import torch
+
+    (torch.ones(2, device=platform.xla_device()) + 1).cpu()  # an XLA computation has run
+    monkeypatch.setattr(platform, "is_tpu", lambda: True)
+    monkeypatch.setattr(platform, "_cache_initialized", False)
+    with caplog.at_level(logging.WARNING, logger=platform.__name__):
+        assert platform.enable_persistent_cache(str(tmp_path / "xla_cache")) is False
+    assert "persistent compilation cache not enabled" in caplog.text
+    assert not (tmp_path / "xla_cache").exists()

@@ -67,14 +67,24 @@ def enable_persistent_cache(path: str) -> bool:
     """torch_xla's persistent compilation cache, where the runtime can use it.
 
     Only on TPU: PJRT CPU cannot deserialize executables ("Deserializing serialized
-    executable not supported"), so on CPU every start compiles afresh. Must run before the
-    first XLA computation of the process; later calls are no-ops.
+    executable not supported"), so on CPU every start compiles afresh. torch_xla takes it
+    only before the process's first XLA computation (an engine made after any tensor work
+    on the TPU found it asserting "Computation cache has already been initialized"); after
+    that the engine runs without it, with a warning. Later calls are no-ops.
     """
     global _cache_initialized
     if _cache_initialized or not is_tpu():
         return _cache_initialized
+    import torch_xla
     import torch_xla.runtime as xr
 
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "persistent compilation cache not enabled: this process ran XLA computations "
+            "before its first engine; graphs compile afresh")
+        return False
     xr.initialize_cache(path, readonly=False)
     _cache_initialized = True
     return True
