@@ -1,0 +1,107 @@
+"""The TPU attention path's inputs, checked on CPU: what the engine hands torch_xla's
+ragged-paged-attention kernel (the combined K/V cache layout `write_kv` fills, and the
+per-sequence rows `prepare_step` builds: kv lengths, block tables, cumulative query
+lengths, sequence count) must mean, under the kernel's contract, the attention the CPU
+path computes from its own inputs.
+
+The kernel itself only runs on a TPU (tests/test_tpu.py); its contract here is torch_xla's
+own non-kernel reference of it (`use_kernel=False`), run eagerly on CPU tensors, against
+`paged_attention_reference` over the split cache. A step mixes chunked prefills that start
+mid-sequence, a fresh prompt and decodes, in shuffled blocks, with and without a sliding
+window and soft cap.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_tpu_lora import SamplingParams
+from vllm_tpu_lora.engine.block_manager import NULL_BLOCK, blocks_needed
+from vllm_tpu_lora.engine.scheduler import ScheduledSeq
+from vllm_tpu_lora.engine.sequence import Sequence
+from vllm_tpu_lora.layers import attention
+from vllm_tpu_lora.runner import buckets
+from vllm_tpu_lora.runner.input_batch import kv_window_blocks, prepare_step
+
+BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
+MAX_SEQS, MAX_BLOCKS, NUM_BLOCKS = 8, 6, 40
+# (tokens already in the cache, tokens computed this step, tokens the sequence has)
+STEP = [(0, 9, 9), (5, 1, 6), (10, 3, 20), (0, 1, 1), (17, 1, 18), (4, 4, 8)]
+
+
+@pytest.fixture
+def ragged_reference(monkeypatch):
+    """Route paged_attention_tpu's kernel call to torch_xla's reference of the kernel."""
+    from torch_xla.experimental import custom_kernel
+
+    def reference(q, pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw):
+        out = custom_kernel._ragged_paged_attention_nonkernel(
+            q, pages, kv_lens, page_indices, cu_q_lens, num_seqs, None, None,
+            mask_value=custom_kernel.DEFAULT_MASK_VALUE, **kw)
+        # The reference returns the real tokens' rows only; the kernel all of q's rows
+        # (padding rows are garbage there: zeros here).
+        return torch.cat([out, out.new_zeros(q.shape[0] - out.shape[0], *out.shape[1:])])
+
+    monkeypatch.setattr(custom_kernel, "ragged_paged_attention", reference)
+
+
+def _step(rng):
+    free = rng.permutation(np.arange(1, NUM_BLOCKS))  # any block but the null one
+    assert NULL_BLOCK == 0
+    scheduled, used = [], 0
+    for i, (done, n, total) in enumerate(STEP):
+        seq = Sequence(f"r{i}", 0, rng.integers(3, 100, size=total).tolist(),
+                       SamplingParams(temperature=0.0), seed=i)
+        need = blocks_needed(done + n, BLOCK)
+        seq.block_ids = free[used:used + need].tolist()
+        used += need
+        scheduled.append(ScheduledSeq(seq, done, n))
+    return scheduled
+
+
+def _write_all_kv(scheduled, rng, caches):
+    """Every position up to the end of this step gets its K/V, in both cache layouts."""
+    for s in scheduled:
+        end = s.start + s.num_tokens
+        pos = np.arange(end)
+        table = np.asarray(s.seq.block_ids)
+        slots = torch.from_numpy(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+        k, v = (torch.from_numpy(rng.standard_normal((end, KV_HEADS, DIM)).astype(np.float32))
+                for _ in range(2))
+        for cache in caches:
+            attention.write_kv(cache, k, v, slots)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (None, 3.0), (7, 2.0)])
+def test_tpu_kernel_inputs_mean_the_cpu_attention(ragged_reference, monkeypatch, window,
+                                                   soft_cap):
+    rng = np.random.default_rng(0 if window is None else window)
+    scheduled = _step(rng)
+    n_tok = sum(s.num_tokens for s in scheduled)
+    t_b = buckets.pick([16, 32], n_tok)
+    assert t_b > n_tok  # padding rows too
+    a = prepare_step(scheduled, t_b, MAX_SEQS, MAX_BLOCKS, BLOCK, {}, None, MAX_SEQS,
+                     kv_window_blocks(scheduled, BLOCK))
+    slots_total = NUM_BLOCKS * BLOCK
+    split = tuple(torch.zeros(slots_total, KV_HEADS, DIM) for _ in range(2))
+    combined = (torch.zeros(slots_total, 2 * KV_HEADS, DIM),)
+    with monkeypatch.context() as m:  # the layout the engine allocates on a TPU
+        m.setattr(attention.platform, "is_tpu", lambda: True)
+        assert attention.kv_cache_shapes(slots_total, KV_HEADS, DIM) == [combined[0].shape]
+    _write_all_kv(scheduled, rng, [split, combined])
+    meta = attention.AttentionMetadata(**{f: torch.from_numpy(getattr(a, f)) for f in (
+        "slot_mapping", "q_block_token_idx", "q_block_tables", "q_block_kv_lens",
+        "token_out_index", "seq_kv_lens", "seq_block_tables", "cu_q_lens", "num_seqs")})
+    q = torch.from_numpy(rng.standard_normal((t_b, HEADS, DIM)).astype(np.float32))
+    scale = DIM ** -0.5
+
+    cpu = attention.paged_attention_reference(q, split, meta, BLOCK, scale, window, soft_cap)
+    tpu = attention.paged_attention_tpu(q, combined, meta, BLOCK, scale, window, soft_cap)
+
+    assert tpu.shape[1] == cpu.shape[1] == HEADS * DIM
+    torch.testing.assert_close(tpu[:n_tok], cpu[:n_tok], atol=1e-5, rtol=1e-5)
+    # The check can fail: a sequence's kv length off by one changes its rows.
+    meta.seq_kv_lens[2] -= 1
+    off = attention.paged_attention_tpu(q, combined, meta, BLOCK, scale, window, soft_cap)
+    rows = slice(int(a.cu_q_lens[2]), int(a.cu_q_lens[3]))
+    assert not torch.allclose(off[rows], cpu[rows], atol=1e-3)
