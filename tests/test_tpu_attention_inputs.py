@@ -22,6 +22,7 @@ from vllm_tpu_lora.engine.sequence import Sequence
 from vllm_tpu_lora.layers import attention
 from vllm_tpu_lora.runner import buckets
 from vllm_tpu_lora.runner.input_batch import kv_window_blocks, prepare_step
+from vllm_tpu_lora.runner.model_runner import _META_FIELDS
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 MAX_SEQS, MAX_BLOCKS, NUM_BLOCKS = 8, 6, 40
@@ -88,9 +89,8 @@ def test_tpu_kernel_inputs_mean_the_cpu_attention(ragged_reference, monkeypatch,
         m.setattr(attention.platform, "is_tpu", lambda: True)
         assert attention.kv_cache_shapes(slots_total, KV_HEADS, DIM) == [combined[0].shape]
     _write_all_kv(scheduled, rng, [split, combined])
-    meta = attention.AttentionMetadata(**{f: torch.from_numpy(getattr(a, f)) for f in (
-        "slot_mapping", "q_block_token_idx", "q_block_tables", "q_block_kv_lens",
-        "token_out_index", "seq_kv_lens", "seq_block_tables", "cu_q_lens", "num_seqs")})
+    meta = attention.AttentionMetadata(**{f: torch.from_numpy(getattr(a, f))
+                                          for f in _META_FIELDS})  # what the runner passes
     q = torch.from_numpy(rng.standard_normal((t_b, HEADS, DIM)).astype(np.float32))
     scale = DIM ** -0.5
 

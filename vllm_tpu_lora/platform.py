@@ -7,6 +7,7 @@ torch_xla imports it through here.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 
 
@@ -26,6 +27,8 @@ if "PJRT_DEVICE" not in os.environ:
 
 import torch_xla  # noqa: E402
 import torch_xla.debug.metrics as xla_metrics  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 
 def device_type() -> str:
@@ -75,13 +78,10 @@ def enable_persistent_cache(path: str) -> bool:
     global _cache_initialized
     if _cache_initialized or not is_tpu():
         return _cache_initialized
-    import torch_xla
     import torch_xla.runtime as xr
 
     if torch_xla._XLAC._xla_computation_cache_is_initialized():
-        import logging
-
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "persistent compilation cache not enabled: this process ran XLA computations "
             "before its first engine; graphs compile afresh")
         return False
