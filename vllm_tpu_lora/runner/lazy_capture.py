@@ -9,6 +9,7 @@ Contract of a captured function `fn(*args)`:
 - Every tensor that changes between calls is passed in `args`: the step's inputs, and the
   state the graph updates in place (the KV cache) or that is written between steps (LoRA
   slot buffers). In-place updates of arguments are replayed (donated buffers, no copy).
+  State whose shapes never change goes in as `FixedTensors`, keyed once.
 
 At replay the function's Python code does not run: the cached executable is launched
 with the new argument buffers in the traced input order.
@@ -42,6 +43,24 @@ def _xlac():
     return torch_xla._XLAC
 
 
+class FixedTensors:
+    """Tensors given to every call whose number, shapes and dtypes never change, only their
+    contents (the KV cache, the LoRA slot buffers): one argument whose part of the graph
+    key is computed once. Walking them per call cost ~1 µs per tensor, so host time per
+    step grew with layers x LoRA modules (4 layers x 7 linears: 64 tensors, ~50 µs).
+    The captured function reads `value`, the structure as given."""
+
+    __slots__ = ("value", "tensors", "key")
+
+    def __init__(self, value) -> None:
+        self.value = value
+        leaves, spec = pytree.tree_flatten(value)
+        self.tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if len(self.tensors) != len(leaves):
+            raise TypeError("FixedTensors holds tensors only")
+        self.key = (FixedTensors, spec, tuple((tuple(t.shape), t.dtype) for t in self.tensors))
+
+
 class LazyGraphCapture:
     def __init__(self) -> None:
         self.captures = 0  # every trace: first captures and later ones alike
@@ -51,9 +70,17 @@ class LazyGraphCapture:
 
         def run(*args):
             leaves, spec = pytree.tree_flatten(args)
-            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            key = (spec, tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
-                               for t in leaves))
+            tensors, key_parts = [], []
+            for x in leaves:
+                if isinstance(x, torch.Tensor):
+                    tensors.append(x)
+                    key_parts.append((tuple(x.shape), x.dtype))
+                elif isinstance(x, FixedTensors):
+                    tensors.extend(x.tensors)
+                    key_parts.append(x.key)
+                else:
+                    key_parts.append(x)
+            key = (spec, tuple(key_parts))
             graph = graphs.get(key)
             if graph is None:
                 graph = graphs[key] = self._capture(fn, args, tensors)

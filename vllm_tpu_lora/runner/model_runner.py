@@ -28,7 +28,8 @@ from vllm_tpu_lora.layers.sampler import SamplingTensors, neg_token_ids_for, sam
 from vllm_tpu_lora.runner import buckets
 from vllm_tpu_lora.runner.compile_guard import CompileGuard
 from vllm_tpu_lora.runner.input_batch import StepArrays, kv_window_blocks, prepare_step
-from vllm_tpu_lora.runner.lazy_capture import LazyGraphCapture
+from vllm_tpu_lora.runner.lazy_capture import FixedTensors, LazyGraphCapture
+from vllm_tpu_lora.runner.packed_inputs import PackLayout, pack_arrays, unpack_arrays
 
 
 @dataclass
@@ -77,7 +78,8 @@ class ModelRunner:
         if self.capture is not None and lora_manager is not None:
             lora_manager.use_capture(self.capture)
         # Written between steps (slot loads): graph arguments, never baked-in constants.
-        self._lora_buffers = lora_manager.buffers if lora_manager else []
+        self._lora_buffers = FixedTensors(lora_manager.buffers if lora_manager else [])
+        self._kv_args = FixedTensors(self.kv_caches)  # updated in place, never replaced
         self._logits_buffers = lora_manager.logits_buffers if lora_manager else []
         self._neg_token_ids = neg_token_ids_for(model.config["vocab_size"], self.device)
         self.guard = CompileGuard(self.capture)
@@ -98,19 +100,22 @@ class ModelRunner:
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(x).to(self.device)
 
+    def _upload(self, groups: dict[str, dict[str, np.ndarray]]) -> tuple[list, PackLayout]:
+        """A graph's host arrays as one transfer per dtype (see packed_inputs)."""
+        flats, layout = pack_arrays(groups)
+        return [self._to_device(f) for f in flats], layout
+
     def _forward(self, a: StepArrays, num_slots: int, fallback: bool = False) -> torch.Tensor:
-        t = self._to_device
         lora = {}
         if self.punica is not None:
-            plan = self.punica.plan_step(a.token_lora_idx, a.active_slots, num_slots,
+            lora = self.punica.plan_step(a.token_lora_idx, a.active_slots, num_slots,
                                          self.dtype, fallback)
-            lora = {k: t(v) for k, v in plan.items()}
-        meta = {name: t(getattr(a, name)) for name in _META_FIELDS}
-        inputs = {name: t(getattr(a, name)) for name in ("input_ids", "positions",
-                                                          "logits_indices")}
-        # A base-only graph (S = 0) reads no slot buffer: not passing them spares every
-        # such step flattening and matching them (~56 tensors for 4 layers x 7 linears).
-        last = self._forward_graph(inputs, meta, lora, num_slots, self.kv_caches,
+        flats, layout = self._upload({
+            "inputs": {name: getattr(a, name) for name in _INPUT_FIELDS},
+            "meta": {name: getattr(a, name) for name in _META_FIELDS}, "lora": lora})
+        # A base-only graph (S = 0) reads no slot buffer: not passing them keeps them out
+        # of its inputs (~56 for 4 layers x 7 linears; the replay costs per input).
+        last = self._forward_graph(flats, layout, num_slots, self._kv_args,
                                    self._lora_buffers if num_slots else [])
         self._launched()
         return last
@@ -120,18 +125,19 @@ class ModelRunner:
         """row_slots: each sampled row's device slot (-1: none); read only when lm_head
         carries LoRA. greedy: every row is greedy and no top logprobs are wanted (the
         parameters are then not even uploaded)."""
-        t = self._to_device
         st = {} if greedy else dict(
-            temperature=t(a.temperature), top_k=t(a.top_k), top_p=t(a.top_p),
-            min_p=t(a.min_p), seeds=t(a.seeds), step=t(a.steps))
+            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+            seeds=a.seeds, step=a.steps)
         rows = {}
         if self._logits_buffers:
             slots = np.full(a.temperature.shape[0], -1, np.int32)
             if row_slots is not None:
                 slots[:len(row_slots)] = row_slots
-            rows = {"row_slot": t(slots)}
-        packed = self._sample_graph(last_hidden, st, t(a.blocked_ids), self._neg_token_ids,
-                                    rows, self._logits_buffers, greedy)
+            rows = {"row_slot": slots}
+        flats, layout = self._upload({"st": st, "rows": rows,
+                                      "mask": {"blocked_ids": a.blocked_ids}})
+        packed = self._sample_graph(last_hidden, flats, layout, self._neg_token_ids,
+                                    self._logits_buffers, greedy)
         self._launched()
         return packed
 
@@ -251,32 +257,40 @@ class ModelRunner:
         platform.sync()
 
 
+_INPUT_FIELDS = ("input_ids", "positions", "logits_indices")
 _META_FIELDS = ("slot_mapping", "q_block_token_idx", "q_block_tables", "q_block_kv_lens",
                 "token_out_index", "seq_kv_lens", "seq_block_tables", "cu_q_lens", "num_seqs")
 
 
 def _bind_forward(model, punica):
-    def model_forward(inputs: dict, meta: dict, lora: dict, num_slots: int, kv_caches,
+    def model_forward(flats: list, layout: PackLayout, num_slots: int, kv: FixedTensors,
                       lora_buffers) -> torch.Tensor:
         """Graph 1, per (token bucket, LoRA-slot bucket): the forward pass, ending with the
-        last hidden row of each sequence [max_num_seqs, hidden]. lora_buffers are read
+        last hidden row of each sequence [max_num_seqs, hidden]. flats / layout: the step's
+        inputs, attention metadata and LoRA plan (packed_inputs). lora_buffers are read
         through the LoRA layers; they are arguments so that slot writes are seen."""
+        groups = unpack_arrays(flats, layout)
+        inputs, meta, lora = groups["inputs"], groups["meta"], groups.get("lora", {})
         if punica is not None:
             punica.set_step(num_slots, lora)
-        hidden = model(inputs["input_ids"], inputs["positions"], kv_caches,
+        hidden = model(inputs["input_ids"], inputs["positions"], kv.value,
                        AttentionMetadata(**meta))
         return hidden.index_select(0, inputs["logits_indices"])
     return model_forward
 
 
 def _bind_sample(model, punica):
-    def logits_and_sample(last_hidden, st: dict, blocked_ids, neg_token_ids, lora_rows: dict,
+    def logits_and_sample(last_hidden, flats: list, layout: PackLayout, neg_token_ids,
                           logits_buffers, greedy: bool) -> torch.Tensor:
         """Graph 2, per (request bucket R, greedy): logits, sampling and logprobs of the
         first R rows, packed into one float32 [R, 3 + 2K] transfer (token ids < 2**24 are
         exact; K = 0 in the greedy graph, which has no top logprobs).
-        lora_rows / logits_buffers: the rows' device slots and lm_head's LoRA buffers,
-        when lm_head carries LoRA (arguments, so slot writes are seen)."""
+        flats / layout (packed_inputs): the sampling parameters (none in the greedy
+        graph), the blocked ids and, when lm_head carries LoRA, each row's device slot
+        (logits_buffers: lm_head's LoRA buffers, arguments so that slot writes are seen)."""
+        groups = unpack_arrays(flats, layout)
+        st, lora_rows = groups.get("st", {}), groups.get("rows", {})
+        blocked_ids = groups["mask"]["blocked_ids"]
         if punica is not None:
             punica.logits_rows = lora_rows.get("row_slot")
         try:
