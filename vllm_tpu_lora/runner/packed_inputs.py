@@ -1,10 +1,11 @@
 """A step's host arrays in one transfer per dtype.
 
 Every host -> device transfer costs a fixed latency (on XLA CPU ~11 µs; on a TPU a DMA
-each), and a step has 13-15 small int arrays (token rows, attention metadata, the LoRA
-plan). They are concatenated on the host per dtype, moved as one flat buffer per dtype,
-and cut back into named views inside the captured graph, where slicing a parameter costs
-nothing. The layout (names, shapes, offsets) is static per graph key and part of it.
+each), and a step has 13-21 small arrays (token rows, attention metadata, the LoRA plan,
+sampling parameters). They are concatenated on the host per dtype, moved as one flat
+buffer per dtype, and cut back into named views inside the captured graph, where XLA
+fuses the slices into their consumers. The layout (names, shapes, offsets) is static per
+graph key and part of it.
 """
 
 from __future__ import annotations
