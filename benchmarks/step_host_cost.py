@@ -44,16 +44,14 @@ def transfers_row(calls: int) -> dict:
     from vllm_tpu_lora import platform
     from vllm_tpu_lora.lora import step_layout
     from vllm_tpu_lora.runner.input_batch import prepare_step
-    from vllm_tpu_lora.runner.model_runner import _INPUT_FIELDS, _META_FIELDS
+    from vllm_tpu_lora.runner.model_runner import forward_host_arrays
     from vllm_tpu_lora.runner.packed_inputs import pack_arrays
 
     d = platform.xla_device()
     # 16 tokens, 16 request rows, 6 KV blocks per sequence of 16 slots, window 6 blocks
     a = prepare_step([], 16, 16, 6, 16, {}, None, 16, 6)
     plan = step_layout.token_slot_layout(np.arange(16, dtype=np.int32) % 8, list(range(8)))
-    graphs = [{"inputs": {n: getattr(a, n) for n in _INPUT_FIELDS},
-               "meta": {n: getattr(a, n) for n in _META_FIELDS}, "lora": plan},
-              {"mask": {"blocked_ids": a.blocked_ids}}]
+    graphs = [forward_host_arrays(a, plan), {"mask": {"blocked_ids": a.blocked_ids}}]
     arrays = [x for g in graphs for named in g.values() for x in named.values()]
 
     def per_array():

@@ -110,9 +110,7 @@ class ModelRunner:
         if self.punica is not None:
             lora = self.punica.plan_step(a.token_lora_idx, a.active_slots, num_slots,
                                          self.dtype, fallback)
-        flats, layout = self._upload({
-            "inputs": {name: getattr(a, name) for name in _INPUT_FIELDS},
-            "meta": {name: getattr(a, name) for name in _META_FIELDS}, "lora": lora})
+        flats, layout = self._upload(forward_host_arrays(a, lora))
         # A base-only graph (S = 0) reads no slot buffer: not passing them keeps them out
         # of its inputs (~56 for 4 layers x 7 linears; the replay costs per input).
         last = self._forward_graph(flats, layout, num_slots, self._kv_args,
@@ -260,6 +258,13 @@ class ModelRunner:
 _INPUT_FIELDS = ("input_ids", "positions", "logits_indices")
 _META_FIELDS = ("slot_mapping", "q_block_token_idx", "q_block_tables", "q_block_kv_lens",
                 "token_out_index", "seq_kv_lens", "seq_block_tables", "cu_q_lens", "num_seqs")
+
+
+def forward_host_arrays(a: StepArrays, lora: dict[str, np.ndarray]) -> dict:
+    """The forward graph's host arrays, grouped as it unpacks them: token rows, attention
+    metadata and the step's LoRA plan."""
+    return {"inputs": {name: getattr(a, name) for name in _INPUT_FIELDS},
+            "meta": {name: getattr(a, name) for name in _META_FIELDS}, "lora": lora}
 
 
 def _bind_forward(model, punica):

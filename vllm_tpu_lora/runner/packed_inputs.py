@@ -21,7 +21,7 @@ class PackLayout:
     __slots__ = ("entries", "dtypes", "_hash")
 
     def __init__(self, entries: tuple, dtypes: tuple) -> None:
-        self.entries = entries  # (group, name, buffer index, offset, shape) per array
+        self.entries = entries  # (group, name, buffer index, start, stop, shape) per array
         self.dtypes = dtypes  # numpy dtype name of each flat buffer
         self._hash = hash((entries, dtypes))
 
@@ -64,9 +64,10 @@ def _plan_layout(signature: tuple) -> tuple[PackLayout, list[list[int]]]:
             order.append([])
             sizes.append(0)
         buf = dtypes.index(dtype)
-        entries.append((group, name, buf, sizes[buf], shape))
-        order[buf].append(i)
+        start = sizes[buf]
         sizes[buf] += int(np.prod(shape, dtype=np.int64))
+        entries.append((group, name, buf, start, sizes[buf], shape))
+        order[buf].append(i)
     return PackLayout(tuple(entries), tuple(np.dtype(d).name for d in dtypes)), order
 
 
@@ -74,7 +75,6 @@ def unpack_arrays(flats: list[torch.Tensor],
                   layout: PackLayout) -> dict[str, dict[str, torch.Tensor]]:
     """The inverse, on device tensors (inside the traced graph): {group: {name: view}}."""
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for group, name, buf, off, shape in layout.entries:
-        n = int(np.prod(shape, dtype=np.int64))
-        out.setdefault(group, {})[name] = flats[buf][off:off + n].reshape(shape)
+    for group, name, buf, start, stop, shape in layout.entries:
+        out.setdefault(group, {})[name] = flats[buf][start:stop].reshape(shape)
     return out
