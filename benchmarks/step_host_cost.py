@@ -4,7 +4,7 @@ keying the forward graph's arguments. One JSON row each, measured in one process
 - `transfers`: a LoRA decode step's host arrays (16 tokens over 8 adapters at the LoRA
   benchmark's shape: token rows, attention metadata, the gathered strategy's plan, the
   sampler's blocked ids) moved one transfer per array (the runner before) against one flat
-  buffer per dtype (`runner/packed_inputs.py`, what the runner does), µs per step.
+  buffer per graph (`runner/packed_inputs.py`, what the runner does), µs per step.
 - `graph_call`: replaying a captured graph that reads one element of each of a model's
   KV caches and LoRA slot buffers (2 + 14 per layer), the state passed as a plain list
   (walked and keyed per call) against `FixedTensors` (keyed once), µs per call; the graph

@@ -124,15 +124,16 @@ def test_benchmark_kv_window_small_runs_each_engine_on_its_windows():
 
 
 def test_step_host_cost_small_counts_the_transfers():
-    """The step's arrays: one transfer each before, one per dtype packed (int64, int32 and
-    the gathered plan's bool token mask for the forward graph, int64 for the greedy
-    sampler's blocked ids)."""
+    """The step's arrays: one transfer each before, packed one per graph (the forward
+    graph's int64, int32 and bool arrays in one int64 buffer, the greedy sampler's blocked
+    ids in another)."""
     import step_host_cost
 
     rows = step_host_cost.main(["--layers", "2", "--calls", "5"])
     moves = rows[0]
-    assert moves["per_array_transfers"] == 15 and moves["packed_transfers"] == 4, moves
+    assert moves["per_array_transfers"] == 15 and moves["packed_transfers"] == 2, moves
     call = rows[1]
     assert call["layers"] == 2 and call["graph_inputs"] == 33
     assert min(moves["per_array_us"], moves["packed_us"], call["walked_us"],
                call["fixed_tensors_us"]) > 0
+

@@ -1,5 +1,6 @@
-"""runner/packed_inputs: a step's named host arrays through one flat buffer per dtype and
-back, each name with its own values, shape and dtype."""
+"""runner/packed_inputs: a step's named host arrays through one flat buffer per carrier
+dtype (integers and bools in one int64 buffer, floats their own) and back, each name with
+its own values, shape and dtype."""
 
 import numpy as np
 import torch
@@ -14,6 +15,8 @@ def _groups(rng, t: int):
         "meta": {"q_block_tables": rng.integers(0, 50, (t, 3)).astype(np.int64),
                  "seq_kv_lens": rng.integers(0, 9, 4).astype(np.int32),
                  "num_seqs": np.array([4], np.int32)},
+        "plan": {"token_valid": rng.random(t) < 0.5,
+                 "small": rng.integers(-100, 100, (2, 3)).astype(np.int8)},
         "st": {"temperature": rng.random(4).astype(np.float32),
                "top_k": rng.integers(-1, 9, 4).astype(np.int32)},
         "lora": {},
@@ -24,7 +27,7 @@ def test_round_trip_keeps_every_array():
     rng = np.random.default_rng(0)
     groups = _groups(rng, 8)
     flats, layout = pack_arrays(groups)
-    assert sorted(f.dtype.name for f in flats) == ["float32", "int32", "int64"]
+    assert sorted(f.dtype.name for f in flats) == ["float32", "int64"]  # two transfers
     assert sum(f.size for f in flats) == sum(a.size for g in groups.values() for a in g.values())
     back = unpack_arrays([torch.from_numpy(f) for f in flats], layout)
     assert "lora" not in back  # an empty group has no entries

@@ -118,11 +118,11 @@ class ModelRunner:
         self._launched()
         return last
 
-    def _sample(self, last_hidden: torch.Tensor, a: StepArrays,
-                row_slots: np.ndarray | None = None, greedy: bool = False) -> torch.Tensor:
-        """row_slots: each sampled row's device slot (-1: none); read only when lm_head
-        carries LoRA. greedy: every row is greedy and no top logprobs are wanted (the
-        parameters are then not even uploaded)."""
+    def _sample_inputs(self, a: StepArrays, row_slots: np.ndarray | None = None,
+                       greedy: bool = False) -> tuple[list, PackLayout]:
+        """The logits graph's host arrays, moved. row_slots: each sampled row's device slot
+        (-1: none); read only when lm_head carries LoRA. greedy: every row is greedy and no
+        top logprobs are wanted (the parameters are then not even uploaded)."""
         st = {} if greedy else dict(
             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
             seeds=a.seeds, step=a.steps)
@@ -132,8 +132,11 @@ class ModelRunner:
             if row_slots is not None:
                 slots[:len(row_slots)] = row_slots
             rows = {"row_slot": slots}
-        flats, layout = self._upload({"st": st, "rows": rows,
-                                      "mask": {"blocked_ids": a.blocked_ids}})
+        return self._upload({"st": st, "rows": rows, "mask": {"blocked_ids": a.blocked_ids}})
+
+    def _sample(self, last_hidden: torch.Tensor, inputs: tuple[list, PackLayout],
+                greedy: bool = False) -> torch.Tensor:
+        flats, layout = inputs
         packed = self._sample_graph(last_hidden, flats, layout, self._neg_token_ids,
                                     self._logits_buffers, greedy)
         self._launched()
@@ -165,10 +168,13 @@ class ModelRunner:
                 row_slots = np.array([active_slots[position_of[s.seq.lora_int_id]]
                                       if s.seq.lora_int_id else -1 for s in scheduled], np.int32)
             greedy = not want_top_logprobs and all(s.seq.params.is_greedy for s in scheduled)
+            # The sampler's arrays move before the forward launches: a transfer issued
+            # right after a launch (or a wait for one) took 10-20x an idle one on XLA CPU.
+            sample_inputs = self._sample_inputs(arrays, row_slots, greedy)
             last_hidden = self._forward(arrays, s_b)
             kind = self.punica.planned_kind if self.punica is not None else "base"
             self.forward_graph_steps[f"T{t_b}/S{s_b}/W{w_b * self.block_size}/{kind}"] += 1
-            packed = self._sample(last_hidden, arrays, row_slots, greedy).cpu().numpy()
+            packed = self._sample(last_hidden, sample_inputs, greedy).cpu().numpy()
         n = len(scheduled)
         k = (packed.shape[1] - 3) // 2  # 0 from the greedy graph
         return StepResult(
@@ -225,8 +231,9 @@ class ModelRunner:
             bar.update(1)
         for r_b in self.request_ladder:
             for greedy in (False, True):
-                self._sample(last, self._dummy(self.token_ladder[0], r_b, 0),
-                             greedy=greedy).cpu()
+                inputs = self._sample_inputs(self._dummy(self.token_ladder[0], r_b, 0),
+                                             greedy=greedy)
+                self._sample(last, inputs, greedy).cpu()
                 bar.update(1)
         bar.close()
         if self.lora_manager is not None:

@@ -1,11 +1,14 @@
-"""A step's host arrays in one transfer per dtype.
+"""A step's host arrays in one transfer per kind of value.
 
-Every host -> device transfer costs a fixed latency (on XLA CPU ~11 µs; on a TPU a DMA
-each), and a step has 13-21 small arrays (token rows, attention metadata, the LoRA plan,
-sampling parameters). They are concatenated on the host per dtype, moved as one flat
-buffer per dtype, and cut back into named views inside the captured graph, where XLA
-fuses the slices into their consumers. The layout (names, shapes, offsets) is static per
-graph key and part of it.
+Every host -> device transfer costs a fixed latency (on XLA CPU ~11 µs idle, 20-150 µs
+between a step's graphs; on a TPU a DMA each), and a step has 13-21 small arrays (token
+rows, attention metadata, the LoRA plan, sampling parameters). They are concatenated on
+the host into one flat buffer per carrier dtype -- every integer and bool array widened
+into one int64 buffer, each float dtype its own -- moved, and cut back into named views
+inside the captured graph (narrowed back to their own dtype there), where XLA fuses the
+slices and converts into their consumers. So a forward graph takes one transfer (before:
+one per dtype, up to three with a LoRA plan's token mask) and a sampler two at most. The
+layout (names, shapes, dtypes, offsets) is static per graph key and part of it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ class PackLayout:
     __slots__ = ("entries", "dtypes", "_hash")
 
     def __init__(self, entries: tuple, dtypes: tuple) -> None:
-        self.entries = entries  # (group, name, buffer index, start, stop, shape) per array
+        # (group, name, buffer index, start, stop, shape, dtype) per array; dtype: the
+        # array's own numpy dtype name where it differs from its buffer's, else None
+        self.entries = entries
         self.dtypes = dtypes  # numpy dtype name of each flat buffer
         self._hash = hash((entries, dtypes))
 
@@ -42,15 +47,24 @@ _LAYOUTS: dict[tuple, tuple[PackLayout, list[list[int]]]] = {}
 
 
 def pack_arrays(groups: dict[str, dict[str, np.ndarray]]) -> tuple[list[np.ndarray], PackLayout]:
-    """{group: {name: array}} -> (one flat host buffer per dtype, their layout)."""
+    """{group: {name: array}} -> (one flat host buffer per carrier dtype, their layout)."""
     arrays = [(g, n, a) for g, named in groups.items() for n, a in named.items()]
     signature = tuple((g, n, a.shape, a.dtype.str) for g, n, a in arrays)
     found = _LAYOUTS.get(signature)
     if found is None:
         found = _LAYOUTS[signature] = _plan_layout(signature)
     layout, order = found
-    flats = [np.concatenate([arrays[i][2].ravel() for i in idx]) for idx in order]
+    flats = [np.concatenate([arrays[i][2].ravel() for i in idx], dtype=dtype)
+             for idx, dtype in zip(order, layout.dtypes)]
     return flats, layout
+
+
+def _carrier(dtype: np.dtype) -> np.dtype:
+    """The flat buffer's dtype an array travels in: int64 holds every bool and integer
+    value exactly (uint64 aside), floats keep their own."""
+    if dtype.kind in "bi" or (dtype.kind == "u" and dtype.itemsize <= 4):
+        return np.dtype(np.int64)
+    return dtype
 
 
 def _plan_layout(signature: tuple) -> tuple[PackLayout, list[list[int]]]:
@@ -58,23 +72,35 @@ def _plan_layout(signature: tuple) -> tuple[PackLayout, list[list[int]]]:
     order: list[list[int]] = []
     sizes: list[int] = []
     entries = []
-    for i, (group, name, shape, dtype) in enumerate(signature):
-        if dtype not in dtypes:
-            dtypes.append(dtype)
+    for i, (group, name, shape, dtype_str) in enumerate(signature):
+        dtype = np.dtype(dtype_str)
+        carrier = _carrier(dtype).name
+        if carrier not in dtypes:
+            dtypes.append(carrier)
             order.append([])
             sizes.append(0)
-        buf = dtypes.index(dtype)
+        buf = dtypes.index(carrier)
         start = sizes[buf]
         sizes[buf] += int(np.prod(shape, dtype=np.int64))
-        entries.append((group, name, buf, start, sizes[buf], shape))
+        own = dtype.name if dtype.name != carrier else None
+        entries.append((group, name, buf, start, sizes[buf], shape, own))
         order[buf].append(i)
-    return PackLayout(tuple(entries), tuple(np.dtype(d).name for d in dtypes)), order
+    return PackLayout(tuple(entries), tuple(dtypes)), order
 
 
 def unpack_arrays(flats: list[torch.Tensor],
                   layout: PackLayout) -> dict[str, dict[str, torch.Tensor]]:
     """The inverse, on device tensors (inside the traced graph): {group: {name: view}}."""
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for group, name, buf, start, stop, shape in layout.entries:
-        out.setdefault(group, {})[name] = flats[buf][start:stop].reshape(shape)
+    for group, name, buf, start, stop, shape, own in layout.entries:
+        view = flats[buf][start:stop].reshape(shape)
+        if own == "bool":
+            view = view != 0
+        elif own is not None:
+            view = view.to(_TORCH_DTYPES[own])
+        out.setdefault(group, {})[name] = view
     return out
+
+
+_TORCH_DTYPES = {"int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
+                 "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32}
