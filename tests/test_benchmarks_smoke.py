@@ -137,3 +137,21 @@ def test_step_host_cost_small_counts_the_transfers():
     assert min(moves["per_array_us"], moves["packed_us"], call["walked_us"],
                call["fixed_tensors_us"]) > 0
 
+
+def test_step_phases_small_accounts_for_the_step():
+    """The phases add up to (nearly) the whole step, and only steps with adapters spend
+    time planning LoRA or activating slots."""
+    import step_phases
+
+    rows = {r["name"]: r for r in step_phases.main(["--small"])}
+    assert set(rows) == {"enable_lora=False", "lora_enabled_unused", "2_distinct_adapters"}
+    for row in rows.values():
+        phases = row["phases_ms"]
+        assert set(phases) == set(step_phases.PHASES)
+        # generate()'s own work outside the engine's steps is all that is not covered
+        assert 0.7 * row["ms_per_step"] < row["phases_sum_ms"] <= 1.01 * row["ms_per_step"]
+        assert phases["upload"] > 0 and phases["forward_call"] > 0 and phases["prepare"] > 0
+    assert rows["enable_lora=False"]["phases_ms"]["lora_plan"] == 0
+    assert rows["2_distinct_adapters"]["phases_ms"]["lora_plan"] > 0
+    assert (rows["2_distinct_adapters"]["phases_ms"]["activate"]
+            > rows["lora_enabled_unused"]["phases_ms"]["activate"])
