@@ -36,6 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_throughput import add_model_args, apply_small, make_model, make_workload  # noqa: E402
 from step_timing import timed_generate  # noqa: E402
 
+# The LoRA benchmark shape and workload (step_phases.py and benchmark_prefix_cache.py
+# reuse it).
+LORA_SHAPE = dict(num_requests=48, hidden=512, intermediate=1408, layers=4, heads=8,
+                  kv_heads=4, prompt_len=[16, 64], output_len=[32, 32], max_num_seqs=16,
+                  max_num_batched_tokens=256)
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
@@ -58,9 +64,7 @@ def parse_args() -> argparse.Namespace:
                    help="with --many-adapters: two more halves per round that split the cost "
                         "(as many adapters as slots, no swaps; the distinct adapters pre-read into the host "
                         "cache, so slot writes without disk); raises max_cpu_loras to hold them")
-    p.set_defaults(num_requests=48, hidden=512, intermediate=1408, layers=4, heads=8,
-                   kv_heads=4, prompt_len=[16, 64], output_len=[32, 32], max_num_seqs=16,
-                   max_num_batched_tokens=256)
+    p.set_defaults(**LORA_SHAPE)
     args = apply_small(p.parse_args())
     if args.small:
         args.rank, args.max_loras, args.num_adapters = 8, 2, [1, 2]

@@ -26,7 +26,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_lora import make_adapters  # noqa: E402
+from benchmark_lora import LORA_SHAPE, make_adapters  # noqa: E402
 from benchmark_throughput import add_model_args, apply_small, make_model  # noqa: E402
 from step_timing import timed  # noqa: E402
 
@@ -39,9 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-adapters", type=int, default=4)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
-    p.set_defaults(num_requests=64, hidden=512, intermediate=1408, layers=4, heads=8,
-                   kv_heads=4, prompt_len=[16, 64], output_len=[32, 32], max_num_seqs=16,
-                   max_num_batched_tokens=256)
+    p.set_defaults(**{**LORA_SHAPE, "num_requests": 64})
     args = apply_small(p.parse_args(argv))
     if args.small:
         args.system_len, args.num_adapters, args.rank, args.num_requests = 64, 2, 8, 8

@@ -39,7 +39,7 @@ import time
 from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_lora import best_of, engine, make_adapters  # noqa: E402
+from benchmark_lora import LORA_SHAPE, best_of, engine, make_adapters  # noqa: E402
 from benchmark_throughput import add_model_args, apply_small, make_model, make_workload  # noqa: E402
 from step_timing import timed_generate  # noqa: E402
 
@@ -118,9 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--num-adapters", type=int, nargs="+", default=[8])
     p.add_argument("--rounds", type=int, default=3)
-    p.set_defaults(num_requests=48, hidden=512, intermediate=1408, layers=4, heads=8,
-                   kv_heads=4, prompt_len=[16, 64], output_len=[32, 32], max_num_seqs=16,
-                   max_num_batched_tokens=256)
+    p.set_defaults(**LORA_SHAPE)
     args = apply_small(p.parse_args(argv))
     if args.small:
         args.rank, args.max_loras, args.num_adapters, args.rounds = 8, 2, [2], 1
