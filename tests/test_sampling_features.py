@@ -64,6 +64,18 @@ def test_n_completions_with_seed(llama_llm):
     assert [c.token_ids for c in again] == [c.token_ids for c in outs]
 
 
+def test_seeds_are_kept_modulo_2_to_64(llama_llm):
+    """Offline seeds may be any Python int (the step's seed rows are int64; a seed past
+    them raised OverflowError inside the step): a seed and that seed + 2**64 draw alike,
+    and completion i's seed + i wraps."""
+    def draw(seed, n=1):
+        params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        return [c.token_ids for c in llama_llm.generate(PROMPT, params, use_tqdm=False)[0].outputs]
+
+    assert draw(2**63 - 1, n=2) == draw(2**63 - 1 + 2**64) + draw(-(2**63))
+    assert draw(2**64 + 5) == draw(5) != draw(6)
+
+
 def test_text_equals_full_decode(llama_llm):
     tok = llama_llm.get_tokenizer()
     for seed in range(3):

@@ -197,7 +197,10 @@ class LLMEngine:
         self._check_lora_request(lora_request)
         seqs = []
         for i in range(params.n):
-            seed = params.seed + i if params.seed is not None else int(self._rng.integers(2**62))
+            # Any Python int seeds (offline); the step's seed rows are int64, so it is kept
+            # modulo 2**64 (as SamplingTensors keeps seeds), and seed + i may wrap too.
+            seed = (_wrap_int64(params.seed + i) if params.seed is not None
+                    else int(self._rng.integers(2**62)))
             seq = Sequence(request_id, i, ids, params, seed, lora_request, cache_salt=salt)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             seqs.append(seq)
@@ -380,3 +383,8 @@ class LLMEngine:
             "lora_slots_in_use": self.lora_manager.num_slots_in_use if self.lora_manager else 0,
             "lora_slot_loads": self.lora_manager.num_slot_loads if self.lora_manager else 0,
         }
+
+
+def _wrap_int64(value: int) -> int:
+    """`value` modulo 2**64 as a signed 64-bit int (the bits an int64 array holds)."""
+    return (value + 2**63) % 2**64 - 2**63

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vllm_tpu_lora.sampling_params import SamplingParams
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
 # ---- errors ----
 
 
@@ -75,7 +77,7 @@ class SamplingFields(OpenAIBaseModel):
 
     model: str | None = None
     n: int = 1
-    seed: int | None = None
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)  # vLLM's bounds (a long)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
