@@ -16,7 +16,8 @@ kept), each phase in ms/step of its own time (a phase's callees are not counted 
   wait           waiting for each graph to finish (benchmark mode only)
   execute_rest   the runner's own code around these, and fetching the sampled tokens
   update         the scheduler's bookkeeping after the step
-  step_rest      appending tokens, stop checks, request outputs
+  step_rest      appending tokens, stop checks, request outputs (and the engine's waits
+                 for adapter reads, and steps that scheduled nothing)
 
 plus device_ms_per_step (torch_xla's ExecuteTime) as in the other benchmarks. The calls
 that touch the device (forward_call, sample_call, wait, execute_rest) may contain device
@@ -69,15 +70,19 @@ class PhaseTimer:
 
     @contextmanager
     def patched(self, targets: list[tuple[object, str, str]]):
-        """targets: (owner, attribute, phase name); restored on exit."""
-        saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in targets]
+        """targets: (owner, attribute, phase name); restored on exit (an attribute the
+        owner only inherited, a method, is removed again rather than set)."""
+        saved = [(owner, attr, vars(owner).get(attr)) for owner, attr, _ in targets]
         try:
             for owner, attr, name in targets:
                 setattr(owner, attr, self.wrap(getattr(owner, attr), name))
             yield self
         finally:
             for owner, attr, fn in saved:
-                setattr(owner, attr, fn)
+                if fn is None:
+                    delattr(owner, attr)
+                else:
+                    setattr(owner, attr, fn)
 
 
 def phase_targets(llm) -> list[tuple[object, str, str]]:

@@ -101,7 +101,8 @@ class ModelRunner:
         return torch.from_numpy(x).to(self.device)
 
     def _upload(self, groups: dict[str, dict[str, np.ndarray]]) -> tuple[list, PackLayout]:
-        """A graph's host arrays as one transfer per dtype (see packed_inputs)."""
+        """A graph's host arrays in one int64 transfer plus one per float dtype (see
+        packed_inputs)."""
         flats, layout = pack_arrays(groups)
         return [self._to_device(f) for f in flats], layout
 
@@ -119,8 +120,9 @@ class ModelRunner:
         return last
 
     def _sample_inputs(self, a: StepArrays, row_slots: np.ndarray | None = None,
-                       greedy: bool = False) -> tuple[list, PackLayout]:
-        """The logits graph's host arrays, moved. row_slots: each sampled row's device slot
+                       greedy: bool = False) -> tuple[list, PackLayout, bool]:
+        """The logits graph's host arrays, moved (and `greedy`, which picks the graph they
+        were built for). row_slots: each sampled row's device slot
         (-1: none); read only when lm_head carries LoRA. greedy: every row is greedy and no
         top logprobs are wanted (the parameters are then not even uploaded)."""
         st = {} if greedy else dict(
@@ -132,11 +134,13 @@ class ModelRunner:
             if row_slots is not None:
                 slots[:len(row_slots)] = row_slots
             rows = {"row_slot": slots}
-        return self._upload({"st": st, "rows": rows, "mask": {"blocked_ids": a.blocked_ids}})
+        flats, layout = self._upload({"st": st, "rows": rows,
+                                      "mask": {"blocked_ids": a.blocked_ids}})
+        return flats, layout, greedy
 
-    def _sample(self, last_hidden: torch.Tensor, inputs: tuple[list, PackLayout],
-                greedy: bool = False) -> torch.Tensor:
-        flats, layout = inputs
+    def _sample(self, last_hidden: torch.Tensor,
+                inputs: tuple[list, PackLayout, bool]) -> torch.Tensor:
+        flats, layout, greedy = inputs
         packed = self._sample_graph(last_hidden, flats, layout, self._neg_token_ids,
                                     self._logits_buffers, greedy)
         self._launched()
@@ -174,7 +178,7 @@ class ModelRunner:
             last_hidden = self._forward(arrays, s_b)
             kind = self.punica.planned_kind if self.punica is not None else "base"
             self.forward_graph_steps[f"T{t_b}/S{s_b}/W{w_b * self.block_size}/{kind}"] += 1
-            packed = self._sample(last_hidden, sample_inputs, greedy).cpu().numpy()
+            packed = self._sample(last_hidden, sample_inputs).cpu().numpy()
         n = len(scheduled)
         k = (packed.shape[1] - 3) // 2  # 0 from the greedy graph
         return StepResult(
@@ -233,7 +237,7 @@ class ModelRunner:
             for greedy in (False, True):
                 inputs = self._sample_inputs(self._dummy(self.token_ladder[0], r_b, 0),
                                              greedy=greedy)
-                self._sample(last, inputs, greedy).cpu()
+                self._sample(last, inputs).cpu()
                 bar.update(1)
         bar.close()
         if self.lora_manager is not None:
