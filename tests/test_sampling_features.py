@@ -76,6 +76,17 @@ def test_seeds_are_kept_modulo_2_to_64(llama_llm):
     assert draw(2**64 + 5) == draw(5) != draw(6)
 
 
+def test_out_of_range_top_k_and_stop_ids_act_as_no_limit(llama_llm):
+    """A top_k past the vocabulary keeps every token and a stop id no token can have
+    blocks nothing; values past int32 / int64 failed the whole step before."""
+    def draw(**kw):
+        params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, **kw)
+        return llama_llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert draw(top_k=2**40) == draw(top_k=0)
+    assert draw(stop_token_ids=[2**70, -4], min_tokens=3) == draw(min_tokens=3)
+
+
 def test_text_equals_full_decode(llama_llm):
     tok = llama_llm.get_tokenizer()
     for seed in range(3):
