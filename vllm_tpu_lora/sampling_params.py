@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+# The fixed-width rows a step writes these values into (top_k: int32; seeds, token ids:
+# int64); vLLM's server bounds a seed to a long, too.
+INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -(2**63), 2**63 - 1
+
+
+def wrap_int64(value: int) -> int:
+    """`value` modulo 2**64 as a signed 64-bit int (the bits an int64 array holds): how a
+    seed of any Python int is kept."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
 @dataclass

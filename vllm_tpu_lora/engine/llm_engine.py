@@ -26,7 +26,7 @@ from vllm_tpu_lora.models.loader import load_model, resolve_dtype
 from vllm_tpu_lora.outputs import RequestOutput
 from vllm_tpu_lora.parallel import TensorParallel
 from vllm_tpu_lora.runner.model_runner import ModelRunner
-from vllm_tpu_lora.sampling_params import SamplingParams
+from vllm_tpu_lora.sampling_params import SamplingParams, wrap_int64
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class LLMEngine:
         for i in range(params.n):
             # Any Python int seeds (offline); the step's seed rows are int64, so it is kept
             # modulo 2**64 (as SamplingTensors keeps seeds), and seed + i may wrap too.
-            seed = (_wrap_int64(params.seed + i) if params.seed is not None
+            seed = (wrap_int64(params.seed + i) if params.seed is not None
                     else int(self._rng.integers(2**62)))
             seq = Sequence(request_id, i, ids, params, seed, lora_request, cache_salt=salt)
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -383,8 +383,3 @@ class LLMEngine:
             "lora_slots_in_use": self.lora_manager.num_slots_in_use if self.lora_manager else 0,
             "lora_slot_loads": self.lora_manager.num_slot_loads if self.lora_manager else 0,
         }
-
-
-def _wrap_int64(value: int) -> int:
-    """`value` modulo 2**64 as a signed 64-bit int (the bits an int64 array holds)."""
-    return (value + 2**63) % 2**64 - 2**63

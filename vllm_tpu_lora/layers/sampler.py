@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_tpu_lora.sampling_params import wrap_int64
+
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _SAMPLING_EPS = 1e-5  # vLLM: temperatures below this are greedy
 
@@ -72,7 +74,7 @@ class SamplingTensors:
             arr = np.full(num_rows, pad, dtype=dtype)
             given = values.get(name, [])
             if name == "seeds":  # Python seeds may be any int: keep them modulo 2**64
-                given = np.array([int(v) & (2**64 - 1) for v in given], np.uint64).view(dtype)
+                given = [wrap_int64(int(v)) for v in given]
             given = np.asarray(given, dtype=dtype)
             if given.shape[0] > num_rows:
                 raise ValueError(f"{name} has {given.shape[0]} rows, more than {num_rows}")

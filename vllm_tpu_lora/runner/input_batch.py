@@ -22,6 +22,7 @@ import numpy as np
 
 from vllm_tpu_lora.engine.block_manager import NULL_BLOCK, blocks_needed
 from vllm_tpu_lora.engine.scheduler import ScheduledSeq
+from vllm_tpu_lora.sampling_params import INT32_MAX, INT64_MAX
 
 MAX_BLOCKED_IDS = 8  # EOS + stop_token_ids masked out while min_tokens is not reached
 QUERY_BLOCK = 16  # the largest query block
@@ -100,20 +101,17 @@ def _alloc(t: int, r: int, mb: int, nqb: int, q: int, max_seqs: int,
     )
 
 
-_INT32_MAX, _INT64_MAX = 2**31 - 1, 2**63 - 1
-
-
 def _sampling_row(a: dict, i: int, s: ScheduledSeq, eos_id: int | None) -> None:
     p, seq = s.seq.params, s.seq
     # Any k past the vocabulary keeps every token: capped, a huge top_k fits the int32 row
     # (uncapped it raised OverflowError inside the step, failing the step's requests).
-    a["temperature"][i], a["top_k"][i] = p.temperature, min(p.top_k, _INT32_MAX)
+    a["temperature"][i], a["top_k"][i] = p.temperature, min(p.top_k, INT32_MAX)
     a["top_p"][i], a["min_p"][i] = p.top_p, p.min_p
     a["seeds"][i], a["steps"][i] = seq.seed, seq.num_output_tokens
     if seq.num_output_tokens < p.min_tokens:
         blocked = list(p.stop_token_ids) + ([eos_id] if eos_id is not None and not p.ignore_eos else [])
         # Only ids a token can have are blocked; one past int64 would not fit the row.
-        blocked = [t for t in blocked if 0 <= t <= _INT64_MAX][:MAX_BLOCKED_IDS]
+        blocked = [t for t in blocked if 0 <= t <= INT64_MAX][:MAX_BLOCKED_IDS]
         a["blocked_ids"][i, : len(blocked)] = blocked
 
 

@@ -122,9 +122,9 @@ class ModelRunner:
     def _sample_inputs(self, a: StepArrays, row_slots: np.ndarray | None = None,
                        greedy: bool = False) -> tuple[list, PackLayout, bool]:
         """The logits graph's host arrays, moved (and `greedy`, which picks the graph they
-        were built for). row_slots: each sampled row's device slot
-        (-1: none); read only when lm_head carries LoRA. greedy: every row is greedy and no
-        top logprobs are wanted (the parameters are then not even uploaded)."""
+        were built for). row_slots: each sampled row's device slot (-1: none); read only
+        when lm_head carries LoRA. greedy: every row is greedy and no top logprobs are
+        wanted (the parameters are then not even uploaded)."""
         st = {} if greedy else dict(
             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
             seeds=a.seeds, step=a.steps)

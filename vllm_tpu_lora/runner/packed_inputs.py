@@ -97,10 +97,6 @@ def unpack_arrays(flats: list[torch.Tensor],
         if own == "bool":
             view = view != 0
         elif own is not None:
-            view = view.to(_TORCH_DTYPES[own])
+            view = view.to(getattr(torch, own))  # numpy's and torch's int names agree
         out.setdefault(group, {})[name] = view
     return out
-
-
-_TORCH_DTYPES = {"int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
-                 "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32}

@@ -15,9 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm_tpu_lora.sampling_params import SamplingParams
-
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+from vllm_tpu_lora.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 # ---- errors ----
 
@@ -77,7 +75,7 @@ class SamplingFields(OpenAIBaseModel):
 
     model: str | None = None
     n: int = 1
-    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)  # vLLM's bounds (a long)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # vLLM's bounds (a long)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
