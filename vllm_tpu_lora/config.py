@@ -44,6 +44,7 @@ def api_key_from_env() -> str | None:
 
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+RUNTIMES = ("auto", "torch_xla", "jax")  # see runner/runtime.py
 # The checkpoint modules LoRA can target (vLLM's default target modules for these models).
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                        "down_proj")
@@ -61,6 +62,7 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None
     enforce_eager: bool = False
+    runtime: str = "auto"  # "auto" | "torch_xla" | "jax" (runner/runtime.py)
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +72,8 @@ class ModelConfig:
             raise ValueError(f"No config.json in model directory {self.model!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         with open(os.path.join(self.model, "config.json")) as f:
@@ -216,6 +220,7 @@ class EngineArgs:
     enable_dora: bool = False
     precompile: bool = True
     enforce_eager: bool = False
+    runtime: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -233,6 +238,7 @@ class EngineArgs:
             seed=self.seed,
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
+            runtime=self.runtime,
         )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens

@@ -1,7 +1,9 @@
-"""The one place that knows which device we run on.
+"""The one place that knows which device we run on, and torch_xla's helpers.
 
 PJRT_DEVICE must be decided before torch_xla is imported, so every module that needs
-torch_xla imports it through here.
+torch_xla imports it through here. torch_xla itself is imported only when a torch_xla
+function is called: the jax runtime (runtime/jax_runtime.py) runs where torch_xla is not
+installed, and sets PJRT_DEVICE to the platform JAX found, so `is_tpu()` answers for both.
 """
 
 from __future__ import annotations
@@ -25,9 +27,6 @@ def _tpu_present() -> bool:
 if "PJRT_DEVICE" not in os.environ:
     os.environ["PJRT_DEVICE"] = "TPU" if _tpu_present() else "CPU"
 
-import torch_xla  # noqa: E402
-import torch_xla.debug.metrics as xla_metrics  # noqa: E402
-
 logger = logging.getLogger(__name__)
 
 
@@ -39,12 +38,27 @@ def is_tpu() -> bool:
     return device_type() == "TPU"
 
 
+def set_device_type(name: str) -> None:
+    """What the jax runtime found (JAX picks its platform itself): "TPU" or "CPU"."""
+    os.environ["PJRT_DEVICE"] = name.upper()
+
+
+def torch_xla_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_xla") is not None
+
+
 def xla_device():
+    import torch_xla
+
     return torch_xla.device()
 
 
 def sync() -> None:
     """Cut the lazy graph here and launch it."""
+    import torch_xla
+
     torch_xla.sync()
 
 
@@ -57,7 +71,15 @@ def wait_device_ops() -> None:
 
 def optimization_barrier(tensors: list) -> None:
     """An XLA optimization barrier over `tensors` (in place): the compiler may not move or
-    merge computation across it."""
+    merge computation across it. Inside a jax-runtime graph the tensors are torchax
+    tensors and the barrier is JAX's."""
+    if tensors and hasattr(tensors[0], "_elem"):
+        import jax
+
+        arrays = jax.lax.optimization_barrier([t._elem for t in tensors])
+        for t, a in zip(tensors, arrays):
+            t._elem = a
+        return
     import torch_xla.core.xla_model as xm
 
     xm.optimization_barrier_(tensors)
@@ -78,6 +100,7 @@ def enable_persistent_cache(path: str) -> bool:
     global _cache_initialized
     if _cache_initialized or not is_tpu():
         return _cache_initialized
+    import torch_xla
     import torch_xla.runtime as xr
 
     if torch_xla._XLAC._xla_computation_cache_is_initialized():
@@ -98,6 +121,7 @@ def enable_spmd(num_devices: int) -> int:
     get replicated to every device. On CPU without CPU_NUM_DEVICES, and before the XLA
     runtime starts, the process gets `num_devices` virtual CPU devices.
     """
+    import torch_xla
     import torch_xla.runtime as xr
 
     if (device_type() == "CPU" and "CPU_NUM_DEVICES" not in os.environ
@@ -117,6 +141,8 @@ def enable_spmd(num_devices: int) -> int:
 
 
 def compile_count() -> int:
-    """Number of XLA graph compilations in this process so far."""
+    """Number of torch_xla graph compilations in this process so far."""
+    import torch_xla.debug.metrics as xla_metrics
+
     data = xla_metrics.metric_data("CompileTime")
     return int(data[0]) if data else 0

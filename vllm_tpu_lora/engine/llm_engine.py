@@ -26,6 +26,7 @@ from vllm_tpu_lora.models.loader import load_model, resolve_dtype
 from vllm_tpu_lora.outputs import RequestOutput
 from vllm_tpu_lora.parallel import TensorParallel
 from vllm_tpu_lora.runner.model_runner import ModelRunner
+from vllm_tpu_lora.runner.runtime import make_runtime, resolve_runtime
 from vllm_tpu_lora.sampling_params import SamplingParams, wrap_int64
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        runtime = resolve_runtime(mc.runtime)
+        tp_size = config.parallel_config.tensor_parallel_size
+        if runtime == "jax" and tp_size > 1:
+            raise ValueError("tensor_parallel_size > 1 runs on runtime='torch_xla' only; the "
+                             "jax runtime serves one device")
         # Before anything else: tensor parallelism must switch XLA to SPMD before any XLA tensor.
-        self.tp = TensorParallel.create(config.parallel_config.tensor_parallel_size,
-                                        mc.hf_config, config.lora_config)
-        platform.enable_persistent_cache(xla_cache_dir())
+        self.tp = TensorParallel.create(tp_size, mc.hf_config, config.lora_config)
+        if runtime == "torch_xla":
+            platform.enable_persistent_cache(xla_cache_dir())
+        # Also before the model is built: the jax runtime says which device JAX found.
+        self.runtime = make_runtime(runtime)
         self.max_model_len = mc.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer_path)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -65,7 +73,7 @@ class LLMEngine:
             kv_dtype=dtype, block_size=cc.block_size, max_model_len=self.max_model_len,
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
             eos_token_id=self.eos_token_id, lora_manager=self.lora_manager, punica=punica,
-            tp=self.tp, enforce_eager=mc.enforce_eager)
+            tp=self.tp, enforce_eager=mc.enforce_eager, runtime=self.runtime)
         if punica is not None and punica.backend == "pallas":
             self._check_kernel_budget(dtype)
         self._rng = np.random.default_rng(mc.seed)
@@ -379,6 +387,7 @@ class LLMEngine:
             "captures_after_warmup": self.runner.guard.captures_after_warmup,
             "graph_replay": self.runner.capture is not None,
             "device": platform.device_type(),
+            "runtime": self.runtime.name,
             "tensor_parallel_size": self.tp.size if self.tp else 1,
             "lora_slots_in_use": self.lora_manager.num_slots_in_use if self.lora_manager else 0,
             "lora_slot_loads": self.lora_manager.num_slot_loads if self.lora_manager else 0,

@@ -94,12 +94,17 @@ def paged_attention_reference(
 
 def paged_attention_tpu(q, kv_cache, meta: AttentionMetadata, block_size: int, scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None):
-    """torch_xla's ragged paged attention Pallas kernel (TPU only); it applies the sliding
-    window and soft cap itself, with the same rules as the reference above."""
-    from torch_xla.experimental.custom_kernel import ragged_paged_attention
-
+    """The ragged paged attention Pallas kernel (TPU only): torch_xla's on the torch_xla
+    runtime, JAX's own (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`, the
+    same kernel, inputs and page layout) inside the jitted step on the jax runtime. It
+    applies the sliding window and soft cap itself, with the reference's rules."""
     t, h, d = q.shape
     pages = kv_cache[0].view(-1, block_size, kv_cache[0].shape[1], d)
+    if hasattr(q, "_elem"):  # a torchax tensor: the jax runtime
+        return _jax_ragged_attention(q, pages, meta, scale, sliding_window, soft_cap).reshape(
+            t, h * d)
+    from torch_xla.experimental.custom_kernel import ragged_paged_attention
+
     out = ragged_paged_attention(
         q,
         pages,
@@ -112,6 +117,20 @@ def paged_attention_tpu(q, kv_cache, meta: AttentionMetadata, block_size: int, s
         soft_cap=soft_cap,
     )
     return out.reshape(t, h * d)
+
+
+def _jax_ragged_attention(q, pages, meta: AttentionMetadata, scale: float,
+                          sliding_window: int | None, soft_cap: float | None):
+    import functools
+
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+    from torchax import interop
+
+    kernel = functools.partial(ragged_paged_attention, sm_scale=scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
+    return interop.call_jax(kernel, q, pages, meta.seq_kv_lens.to(torch.int32),
+                            meta.seq_block_tables.to(torch.int32), meta.cu_q_lens.to(torch.int32),
+                            meta.num_seqs.to(torch.int32))
 
 
 def attention_backend():

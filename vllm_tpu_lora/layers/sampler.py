@@ -198,7 +198,13 @@ _XLA_BITCAST = None
 def _bitcast_to_int32(x: torch.Tensor) -> torch.Tensor:
     """float32 -> int32 bit pattern. torch_xla 2.9 runs `Tensor.view(torch.int32)` as a CPU
     fallback (a graph break and two host transfers), so on XLA this is a registered
-    BitcastConvert that stays inside the traced graph."""
+    BitcastConvert that stays inside the traced graph; torchax (the jax runtime) runs a
+    dtype view as a reshape, so there it is JAX's bitcast."""
+    if hasattr(x, "_elem"):  # a torchax tensor
+        import jax
+        from torchax import interop
+
+        return interop.call_jax(lambda v: jax.lax.bitcast_convert_type(v, jax.numpy.int32), x)
     if x.device.type != "xla":
         return x.view(torch.int32)
     global _XLA_BITCAST

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_tpu_lora import platform
@@ -42,6 +43,7 @@ from vllm_tpu_lora.lora.peft_loader import (
 )
 from vllm_tpu_lora.lora.registry import AdapterRegistry
 from vllm_tpu_lora.lora.request import LoRARequest
+from vllm_tpu_lora.runner.lazy_capture import FixedTensors
 
 # Adapter recipes remembered (LRU), by the digest of their config and header: validations
 # passed, and copy plans.
@@ -106,7 +108,10 @@ class LoRAManager:
         # The shapes are bound here, not passed: a captured graph's arguments are flattened
         # and keyed leaf by leaf on every call, and ~170 ints cost ~0.9 ms per write.
         self._write_eager = functools.partial(_write_slot_images, shapes=self._shapes)
-        self._write_graph = self._write_eager  # replaced by a captured graph (use_capture)
+        self._write_graph = self._write_eager  # replaced by a captured graph (use_runtime)
+        self._captured_writes = False
+        self._rt = None  # the runner's runtime (use_runtime)
+        self._buffer_state: FixedTensors | None = None
         self._model_targets: dict | None = None
         self._valid_headers: OrderedDict[bytes, None] = OrderedDict()  # see _validate
         self._flat_numel = sum(math.prod(shape) for shape in self._shapes)
@@ -114,10 +119,15 @@ class LoRAManager:
         self._plans: OrderedDict[bytes, CopyPlan | None] = OrderedDict()
         self._plans_lock = threading.Lock()  # the loader thread and add_lora both load
 
-    def use_capture(self, capture) -> None:
-        """Replay slot writes as a captured graph (the runner's LazyGraphCapture): a write
-        then runs no tracing, only the transfer and one cached executable."""
-        self._write_graph = capture.compile(self._write_eager)
+    def use_runtime(self, runtime, capture=None) -> None:
+        """Write slots through the runner's runtime, once it has moved (and maybe sharded)
+        the model; with a capture, as a captured graph: a write then runs no tracing,
+        only the transfer and one cached executable that updates the buffers in place."""
+        self._rt = runtime
+        self._buffer_state = FixedTensors(self.buffers)
+        self._captured_writes = capture is not None
+        self._write_graph = (capture.compile(self._write_eager) if capture is not None
+                             else runtime.eager(self._write_eager))
 
     def kernel_layers(self) -> list[tuple[int | None, list[int]]]:
         """(in_features, output slices) of the layers that run the bgmv kernels: the
@@ -392,22 +402,20 @@ class LoRAManager:
 
     def write_slot(self, slot: int, host: HostAdapter) -> None:
         """Write an adapter's slot image into `slot` of every buffer: one transfer, one graph."""
-        buffers = self.buffers
+        rt = self._rt
         if self._slot_index is None:
-            self._slot_index = [torch.tensor([s], dtype=torch.int64, device=buffers[0].device)
+            self._slot_index = [rt.to_device(np.array([s], np.int64))
                                 for s in range(self.max_loras)]
-        device = buffers[0].device
         if self.one_transfer:
-            # The captured write updates the buffers in place (LazyGraphCapture donates
-            # the arguments a graph updates), instead of XLA copying every buffer whole
+            # The captured write updates the buffers in place (both captures donate the
+            # state a graph updates), instead of XLA copying every buffer whole
             # (max_loras adapters' worth) to change one slot: 3.0 vs 9.7 ms per write at
             # the LoRA benchmark's shape.
-            self._write_graph(buffers, host.flat.to(device), self._slot_index[slot])
-            if self._write_graph is self._write_eager:
-                platform.sync()  # traced lazily (enforce_eager): run it now, on its own
+            self._write_graph(self._buffer_state, rt.to_device(host.flat), self._slot_index[slot])
+            rt.launched(self._captured_writes)  # traced lazily (enforce_eager): run it now
             return
-        for buf, image in zip(buffers, _slot_views(host.flat, self._shapes)):
-            buf.index_copy_(0, self._slot_index[slot], image[None].to(device))
+        for buf, image in zip(self.buffers, _slot_views(host.flat, self._shapes)):
+            buf.index_copy_(0, self._slot_index[slot], rt.to_device(image[None]))
         platform.sync()
 
     def warmup_adapter(self) -> HostAdapter:
@@ -451,10 +459,10 @@ def _vocab_base_rows(model: torch.nn.Module, n: int = 16) -> dict[str, tuple]:
             for name, w in (("model.embed_tokens", embed), ("lm_head", head))}
 
 
-def _write_slot_images(buffers: list[torch.Tensor], flat: torch.Tensor, slot: torch.Tensor,
+def _write_slot_images(buffers: FixedTensors, flat: torch.Tensor, slot: torch.Tensor,
                        shapes: list[tuple]) -> list:
     """The slot-write graph: each buffer's slice of `flat` into row `slot` (in place)."""
-    for buf, image in zip(buffers, _slot_views(flat, shapes)):
+    for buf, image in zip(buffers.value, _slot_views(flat, shapes)):
         buf.index_copy_(0, slot, image[None])
     return []
 

@@ -1,9 +1,11 @@
-"""Pallas TPU kernels for the LoRA ops, bridged into torch_xla: the torch half.
+"""Pallas TPU kernels for the LoRA ops, called from torch code: the torch half.
 
 The kernels themselves (grid order, what they re-fetch, VMEM) are in
-ops/pallas_kernels.py, which imports no torch; this module wraps them as torch
-custom ops reached through call_jax, with the permutation gathers and the scatter
-back as torch ops that reuse the XLA backend's code.
+ops/pallas_kernels.py, which imports no torch; this module calls them from torch code,
+with the permutation gathers and the scatter back as torch ops that reuse the XLA
+backend's code. On the torch_xla runtime they are torch custom ops reached through
+torch_xla's call_jax; on the jax runtime (torchax tensors) the kernel is called natively
+inside the jitted step (torchax's call_jax).
 `interpret=True` runs the same kernels on any backend (PJRT CPU); Mosaic on TPU.
 """
 
@@ -23,6 +25,7 @@ from vllm_tpu_lora.ops.block_sizes import kernel_blocks, pallas_compute_dtype
 from vllm_tpu_lora.ops.pallas_kernels import (  # noqa: F401  (re-exported for callers/tests)
     expand_kernel,
     expand_pallas_call,
+    jax_matmul_precision,
     shrink_kernel,
     shrink_pallas_call,
 )
@@ -49,6 +52,20 @@ def _matmul_precision() -> str:
     import torch_xla.backends
 
     return torch_xla.backends.get_mat_mul_precision()
+
+
+def _is_torchax(t: torch.Tensor) -> bool:
+    return hasattr(t, "_elem")  # a torchax tensor: the jax runtime
+
+
+def _run_kernel(kernel, op, static: dict, *tensors):
+    """The kernel on these tensors: natively on the jax runtime, else the custom op."""
+    if _is_torchax(tensors[0]):
+        from torchax import interop
+
+        fn = _bound(kernel, **static, precision=jax_matmul_precision())
+        return interop.call_jax(fn, *tensors)
+    return op(*tensors, **static)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -127,7 +144,9 @@ def segment_shrink(
                                 layout.block).feature_block
     cdt = _compute_dtype(x.dtype)
     xs = x.index_select(0, layout.perm).to(cdt)
-    ys = _shrink_op(layout.block_slot, xs, lora_a.to(cdt), layout.block, block_d, interpret)
+    ys = _run_kernel(shrink_kernel, _shrink_op,
+                     dict(block=layout.block, block_d=block_d, interpret=interpret),
+                     layout.block_slot, xs, lora_a.to(cdt))
     b, t_pad, rank = layout.block, ys.shape[0], ys.shape[1]
     row_scale = scale.index_select(0, layout.block_slot.clamp(min=0)).float()
     ys = (ys.float().view(t_pad // b, b, rank) * row_scale[:, None, None]).view(t_pad, rank)
@@ -158,5 +177,7 @@ def segment_expand(
     if block_o is None:
         block_o = kernel_blocks("expand", size, ys.shape[1], ys.dtype, layout.block).feature_block
     cdt = _compute_dtype(ys.dtype)
-    zs = _expand_op(layout.block_slot, ys.to(cdt), lora_b.to(cdt), layout.block, block_o, interpret)
+    zs = _run_kernel(expand_kernel, _expand_op,
+                     dict(block=layout.block, block_o=block_o, interpret=interpret),
+                     layout.block_slot, ys.to(cdt), lora_b.to(cdt))
     return scatter_back(zs, layout, base, offset, size)

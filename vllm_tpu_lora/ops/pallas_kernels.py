@@ -70,6 +70,17 @@ PRECISIONS = {
 }
 
 
+def jax_matmul_precision() -> str:
+    """JAX's default matmul precision (what torchax's matmuls use) in the names the LoRA
+    kernels take, so a float32 engine set to "highest" gets float32 LoRA products too."""
+    value = str(jax.config.jax_default_matmul_precision or "default").lower()
+    if value in ("highest", "float32"):
+        return "highest"
+    if value in ("high", "bfloat16_3x", "tensorfloat32"):
+        return "high"
+    return "default"
+
+
 def _check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(

@@ -1,5 +1,7 @@
 """Counts XLA compilations and graph captures after warm-up; in checking mode either is
 an error (a capture re-runs the model's Python, and usually compiles a new graph).
+Compilations are counted by the runtime: torch_xla's CompileTime metric, or JAX's own
+compile events on the jax runtime.
 
 On a TPU a compile in the serving loop stalls every request for seconds, so after
 `precompile()` none may happen. Tests run with VLLM_TPU_LORA_CHECK_RECOMPILATION=1.
@@ -8,6 +10,7 @@ On a TPU a compile in the serving loop stalls every request for seconds, so afte
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 from vllm_tpu_lora import platform
 from vllm_tpu_lora.config import check_recompilation_enabled
@@ -21,8 +24,10 @@ class CompileGuard:
     """Counts the compilations that happen *inside* watched regions, so several engines in
     one process (tests) don't charge each other's warm-ups."""
 
-    def __init__(self, capture=None) -> None:
-        self.capture = capture  # a LazyGraphCapture: late captures count like compiles
+    def __init__(self, capture=None, compile_count: Callable[[], int] = platform.compile_count
+                 ) -> None:
+        self.capture = capture  # a graph capture: late captures count like compiles
+        self.compile_count = compile_count
         self.strict = check_recompilation_enabled()
         self.armed = False
         self.compilations_after_warmup = 0
@@ -37,9 +42,9 @@ class CompileGuard:
 
     @contextlib.contextmanager
     def watch(self, where: str):
-        before, captures_before = platform.compile_count(), self._captures()
+        before, captures_before = self.compile_count(), self._captures()
         yield
-        new = platform.compile_count() - before
+        new = self.compile_count() - before
         recaptured = self._captures() - captures_before
         if not self.armed or (new <= 0 and recaptured <= 0):
             return

@@ -1,4 +1,5 @@
-"""Runs one scheduled step on the XLA device with precompiled, fixed-shape graphs.
+"""Runs one scheduled step on the device with precompiled, fixed-shape graphs, on either
+runtime (runner/runtime.py: torch_xla, or jax through torchax).
 
 Two graphs per step: the model forward keyed by (token bucket, LoRA-slot bucket, attention
 window bucket), which ends by picking the last hidden row of up to max_num_seqs
@@ -12,6 +13,7 @@ back in one packed transfer.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -24,12 +26,13 @@ from vllm_tpu_lora.engine.block_manager import blocks_needed
 from vllm_tpu_lora.engine.scheduler import ScheduledSeq
 from vllm_tpu_lora.layers.attention import AttentionMetadata
 from vllm_tpu_lora.layers.linear import pretranspose_linears
-from vllm_tpu_lora.layers.sampler import SamplingTensors, neg_token_ids_for, sample, sample_greedy
+from vllm_tpu_lora.layers.sampler import SamplingTensors, sample, sample_greedy
 from vllm_tpu_lora.runner import buckets
 from vllm_tpu_lora.runner.compile_guard import CompileGuard
 from vllm_tpu_lora.runner.input_batch import StepArrays, kv_window_blocks, prepare_step
-from vllm_tpu_lora.runner.lazy_capture import FixedTensors, LazyGraphCapture
+from vllm_tpu_lora.runner.lazy_capture import FixedTensors
 from vllm_tpu_lora.runner.packed_inputs import PackLayout, pack_arrays, unpack_arrays
+from vllm_tpu_lora.runner.runtime import TorchXLARuntime
 
 
 @dataclass
@@ -45,19 +48,21 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_layers: int, kv_cache_shapes: list[tuple],
                  kv_dtype: torch.dtype, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, eos_token_id: int | None,
-                 lora_manager=None, punica=None, tp=None, enforce_eager: bool = False) -> None:
-        self.device = platform.xla_device()
+                 lora_manager=None, punica=None, tp=None, enforce_eager: bool = False,
+                 runtime=None) -> None:
+        self.rt = runtime if runtime is not None else TorchXLARuntime()
+        self.device = self.rt.device
         model.untie_lm_head()
         pretranspose_linears(model)
         if tp is not None:  # tensor parallel: packed columns into per-device blocks (host)
             tp.prepare(model)
-        self.model = model.to(self.device)
+        self.model = self.rt.move_module(model)
         self.block_size = block_size
         self.dtype = kv_dtype  # the activations' dtype
         self.max_blocks_per_seq = blocks_needed(max_model_len, block_size)
         self.eos_token_id = eos_token_id
-        self.kv_caches = [tuple(torch.zeros(shape, dtype=kv_dtype, device=self.device)
-                                for shape in kv_cache_shapes) for _ in range(num_layers)]
+        self.kv_caches = [tuple(self.rt.zeros(shape, kv_dtype) for shape in kv_cache_shapes)
+                          for _ in range(num_layers)]
         if tp is not None:  # before the first sync, so each device only gets its shards
             tp.shard(self.model, self.kv_caches, lora_manager.layers if lora_manager else None)
         self.token_ladder = buckets.token_buckets(max_num_batched_tokens)
@@ -71,18 +76,20 @@ class ModelRunner:
         # enforce_eager (vLLM's name): re-trace every step lazily instead of replaying.
         # Tensor parallel (SPMD) also re-traces: replaying an SPMD graph by hash hit
         # in-flight scalar placeholders among its by-value inputs (see the README).
-        self.capture = None if enforce_eager or tp is not None else LazyGraphCapture()
-        compile_fn = self.capture.compile if self.capture else (lambda fn: fn)
+        self.capture = (None if enforce_eager or tp is not None
+                         else self.rt.make_capture(self._weights))
+        compile_fn = self.capture.compile if self.capture else self.rt.eager
         self._forward_graph = compile_fn(_bind_forward(self.model, punica))
         self._sample_graph = compile_fn(_bind_sample(self.model, punica))
-        if self.capture is not None and lora_manager is not None:
-            lora_manager.use_capture(self.capture)
+        if lora_manager is not None:
+            lora_manager.use_runtime(self.rt, self.capture)
         # Written between steps (slot loads): graph arguments, never baked-in constants.
         self._lora_buffers = FixedTensors(lora_manager.buffers if lora_manager else [])
         self._kv_args = FixedTensors(self.kv_caches)  # updated in place, never replaced
         self._logits_buffers = lora_manager.logits_buffers if lora_manager else []
-        self._neg_token_ids = neg_token_ids_for(model.config["vocab_size"], self.device)
-        self.guard = CompileGuard(self.capture)
+        self._neg_token_ids = self.rt.to_device(-np.arange(model.config["vocab_size"],
+                                                           dtype=np.float32))
+        self.guard = CompileGuard(self.capture, self.rt.compile_count)
         # Benchmarks: wait for each graph before the host goes on, so that XLA's
         # ExecuteTime metric adds up to the device time of a step (no overlap).
         self.serialize_graphs = False
@@ -93,12 +100,19 @@ class ModelRunner:
         # LoRA strategy the step ran): which graphs the traffic lands on, e.g. how often
         # a slots bucket falls back (stats()["forward_graph_steps"]).
         self.forward_graph_steps: collections.Counter[str] = collections.Counter()
-        platform.sync()
+        self.rt.launched(captured=False)  # torch_xla: the moves above, run now
+
+    def _weights(self) -> list[torch.Tensor]:
+        """What graphs read without being given it: every parameter and buffer of the
+        model but the LoRA slot buffers, which are graph arguments (written between steps)."""
+        state = {id(b) for b in (self.lora_manager.buffers if self.lora_manager else [])}
+        return [t for t in itertools.chain(self.model.parameters(), self.model.buffers())
+                if id(t) not in state]
 
     # ---- graphs ----
 
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(x).to(self.device)
+        return self.rt.to_device(x)
 
     def _upload(self, groups: dict[str, dict[str, np.ndarray]]) -> tuple[list, PackLayout]:
         """A graph's host arrays in one int64 transfer plus one per float dtype (see
@@ -116,7 +130,7 @@ class ModelRunner:
         # of its inputs (~56 for 4 layers x 7 linears; the replay costs per input).
         last = self._forward_graph(flats, layout, num_slots, self._kv_args,
                                    self._lora_buffers if num_slots else [])
-        self._launched()
+        self._launched(last)
         return last
 
     def _sample_inputs(self, a: StepArrays, row_slots: np.ndarray | None = None,
@@ -143,14 +157,13 @@ class ModelRunner:
         flats, layout, greedy = inputs
         packed = self._sample_graph(last_hidden, flats, layout, self._neg_token_ids,
                                     self._logits_buffers, greedy)
-        self._launched()
+        self._launched(packed)
         return packed
 
-    def _launched(self) -> None:
-        if self.capture is None:  # lazy mode: cut the graph here and launch it
-            platform.sync()
+    def _launched(self, out: torch.Tensor) -> None:
+        self.rt.launched(self.capture is not None)
         if self.serialize_graphs:
-            platform.wait_device_ops()
+            self.rt.wait(out)
 
     # ---- public ----
 
@@ -178,7 +191,7 @@ class ModelRunner:
             last_hidden = self._forward(arrays, s_b)
             kind = self.punica.planned_kind if self.punica is not None else "base"
             self.forward_graph_steps[f"T{t_b}/S{s_b}/W{w_b * self.block_size}/{kind}"] += 1
-            packed = self._sample(last_hidden, sample_inputs).cpu().numpy()
+            packed = self.rt.to_host(self._sample(last_hidden, sample_inputs))
         n = len(scheduled)
         k = (packed.shape[1] - 3) // 2  # 0 from the greedy graph
         return StepResult(
@@ -214,7 +227,7 @@ class ModelRunner:
     @torch.no_grad()
     def precompile(self) -> None:
         start = time.perf_counter()
-        before = platform.compile_count()
+        before = self.rt.compile_count()
         # A bucket whose LoRA strategy has a fallback graph (steps it does not fit) is
         # traced twice.
         forwards = [(t_b, s_b, w_b, fallback) for t_b in self.token_ladder
@@ -237,13 +250,13 @@ class ModelRunner:
             for greedy in (False, True):
                 inputs = self._sample_inputs(self._dummy(self.token_ladder[0], r_b, 0),
                                              greedy=greedy)
-                self._sample(last, inputs).cpu()
+                self.rt.to_host(self._sample(last, inputs))
                 bar.update(1)
         bar.close()
         if self.lora_manager is not None:
             self.lora_manager.clear_all_slots()
         self._zero_kv_caches()
-        self.num_graphs = platform.compile_count() - before
+        self.num_graphs = self.rt.compile_count() - before
         self.warmup_seconds = time.perf_counter() - start
         self.guard.arm()
 
@@ -260,10 +273,7 @@ class ModelRunner:
 
     def _zero_kv_caches(self) -> None:
         # Warm-up only wrote the null block, but leave the cache as a fresh start would.
-        for layer_cache in self.kv_caches:
-            for c in layer_cache:
-                c.zero_()
-        platform.sync()
+        self.rt.zero_([c for layer_cache in self.kv_caches for c in layer_cache])
 
 
 _INPUT_FIELDS = ("input_ids", "positions", "logits_indices")

@@ -1,0 +1,232 @@
+"""The jax runtime: the engine's torch modules run as `jax.jit` graphs through torchax.
+
+Every device tensor is a torchax tensor, a torch tensor whose data is a jax array
+(`._elem`). Modules are moved by swapping their parameters and buffers for such tensors
+(the module code is unchanged), so everything that reads `layer.lora_a_0` or the KV cache
+reads device data, as on torch_xla.
+
+A graph (`JaxGraphCapture`) is captured once per key by tracing the step function under
+`jax.jit`: for the trace, every tensor it is given and every weight it reads has its
+array swapped for a tracer. What the torch code writes in place (`index_copy_` into the
+KV cache, a slot write into the LoRA buffers) swaps a tensor's array, so after the trace
+the tensor holds the new value's tracer; the graph returns those, and the replay puts the
+results back into the same tensor objects. State passed as `FixedTensors` (the KV cache,
+the LoRA buffers) is donated: XLA updates it in place instead of copying it.
+
+Integers: the step's packed inputs, seeds and the sampler's hash are int64, which JAX
+truncates to int32 unless x64 is on. It is turned on around this runtime's own traces,
+calls and transfers only (`_x64`), not for the process, so other JAX users (torch_xla's
+Pallas bridge in the same process) keep JAX's defaults.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from vllm_tpu_lora import platform
+from vllm_tpu_lora.ops.pallas_kernels import jax_matmul_precision
+from vllm_tpu_lora.runner.lazy_capture import FixedTensors
+from vllm_tpu_lora.torchax_compat import import_torchax
+
+_x64 = getattr(jax, "enable_x64", None) or jax.experimental.enable_x64
+
+# XLA compilations in this process, from JAX's own compile events (one per executable
+# built, whether by a captured graph, an eager op or a transfer helper).
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = 0
+_listening = False
+_lock = threading.Lock()
+
+
+def _on_event(event: str, duration: float, **_: Any) -> None:
+    global _compiles
+    if event == _COMPILE_EVENT:
+        _compiles += 1
+
+
+def jax_compile_count() -> int:
+    return _compiles
+
+
+def _listen_for_compiles() -> None:
+    global _listening
+    with _lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listening = True
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU torch tensor as numpy (bfloat16 through its bits: numpy has no bfloat16)."""
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(jnp.bfloat16)
+    return t.numpy()
+
+
+class JaxRuntime:
+    name = "jax"
+
+    def __init__(self) -> None:
+        torchax = import_torchax()
+        self.env = torchax.default_env()
+        self._tensor = torchax.tensor.Tensor
+        self.jax_device = jax.devices()[0]
+        platform.set_device_type("TPU" if self.jax_device.platform == "tpu" else "CPU")
+        self.device = torch.device("jax:0")
+        _listen_for_compiles()
+
+    # ---- moving data ----
+
+    def wrap(self, array) -> torch.Tensor:
+        return self._tensor(array, self.env)
+
+    def to_device(self, x) -> torch.Tensor:
+        """A numpy array or CPU torch tensor, on the device."""
+        host = x if isinstance(x, np.ndarray) else host_array(x)
+        with _x64(True):
+            return self.wrap(jax.device_put(host, self.jax_device))
+
+    def to_host(self, t: torch.Tensor) -> np.ndarray:
+        return np.asarray(t._elem)
+
+    def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        from torchax.ops import mappings
+
+        with _x64(True), jax.default_device(self.jax_device):
+            return self.wrap(jnp.zeros(shape, mappings.t2j_dtype(dtype)))
+
+    def move_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Every parameter and buffer of `model` as a device tensor, in place (not as
+        nn.Parameter: the engine never trains, and a torchax tensor is not a leaf)."""
+        moved: dict[int, torch.Tensor] = {}  # tied weights stay one tensor
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is not None and not isinstance(t, self._tensor):
+                        if id(t) not in moved:
+                            moved[id(t)] = self.to_device(t)
+                        table[name] = moved[id(t)]
+        return model
+
+    def zero_(self, tensors: list[torch.Tensor]) -> None:
+        with _x64(True):
+            for t in tensors:
+                t._elem = jnp.zeros_like(t._elem)
+
+    # ---- graphs ----
+
+    def make_capture(self, weights: Callable[[], list[torch.Tensor]]):
+        return JaxGraphCapture(self, weights)
+
+    def eager(self, fn):
+        """fn run op by op (enforce_eager): each torch op a jax op, dispatched at once."""
+        def run(*args):
+            with _x64(True), self.env:
+                return fn(*args)
+        return run
+
+    def launched(self, captured: bool) -> None:
+        pass  # jax launches each call asynchronously by itself
+
+    def wait(self, *tensors) -> None:
+        jax.block_until_ready([t._elem for t in tensors])
+
+    def compile_count(self) -> int:
+        return jax_compile_count()
+
+    def matmul_precision(self) -> str:
+        return jax_matmul_precision()
+
+
+class _Graph:
+    """One key's jitted graph and the weights it reads."""
+
+    __slots__ = ("jitted", "weights", "out_spec")
+
+    def __init__(self, jitted, weights: list, out_spec) -> None:
+        self.jitted, self.weights, self.out_spec = jitted, weights, out_spec
+
+
+class JaxGraphCapture:
+    """Capture once, replay always, as jax.jit graphs; the same contract as
+    runner/lazy_capture.LazyGraphCapture (read its docstring), with one addition: the
+    persistent tensors a graph reads without being given them (model weights) are named
+    by `weights()`, so that they enter the graph as arguments rather than as constants
+    baked into it. Tensor arguments other than `FixedTensors` must not be updated in place.
+    """
+
+    def __init__(self, runtime: JaxRuntime, weights: Callable[[], list[torch.Tensor]]) -> None:
+        self.rt = runtime
+        self.weights = weights
+        self.captures = 0
+
+    def compile(self, fn: Callable) -> Callable:
+        graphs: dict[Any, _Graph] = {}
+
+        def run(*args):
+            leaves, spec = pytree.tree_flatten(args)
+            tensors, state, key_parts = [], [], []
+            for x in leaves:
+                if isinstance(x, torch.Tensor):
+                    tensors.append(x)
+                    key_parts.append((tuple(x.shape), x.dtype))
+                elif isinstance(x, FixedTensors):
+                    state.extend(x.tensors)
+                    key_parts.append(x.key)
+                else:
+                    key_parts.append(x)
+            key = (spec, tuple(key_parts))
+            graph = graphs.get(key)
+            if graph is None:
+                graph = graphs[key] = self._capture(fn, args, tensors, state)
+            with _x64(True):
+                outs, new_state = graph.jitted([t._elem for t in tensors],
+                                               [t._elem for t in state], graph.weights)
+            for t, a in zip(state, new_state):
+                t._elem = a
+            return pytree.tree_unflatten([self.rt.wrap(o) for o in outs], graph.out_spec)
+
+        return run
+
+    def _capture(self, fn: Callable, args: tuple, tensors: list, state: list) -> _Graph:
+        self.captures += 1
+        given = {id(t) for t in tensors} | {id(t) for t in state}
+        weights = [w for w in dict.fromkeys(self.weights()) if id(w) not in given]
+        out_spec = []
+
+        def pure(arg_arrays, state_arrays, weight_arrays):
+            swapped = [*tensors, *state, *weights]
+            saved = [t._elem for t in swapped]
+            try:
+                for t, a in zip(swapped, [*arg_arrays, *state_arrays, *weight_arrays]):
+                    t._elem = a
+                with self.rt.env:
+                    out = fn(*args)
+                out_leaves, spec = pytree.tree_flatten(out)
+                out_spec.append(spec)
+                changed = [i for i, (t, a) in enumerate(zip(tensors, arg_arrays))
+                           if t._elem is not a]
+                if changed:
+                    raise TypeError(f"a captured graph updated tensor argument(s) {changed} in "
+                                    "place; pass state it updates as FixedTensors")
+                return [o.jax() for o in out_leaves], [t._elem for t in state]
+            finally:
+                for t, a in zip(swapped, saved):
+                    t._elem = a
+
+        weight_arrays = [w._elem for w in weights]
+        # Traced and compiled ahead of time: the executable is called as it is, so a call
+        # whose shapes differ fails instead of silently compiling another graph.
+        with _x64(True):
+            compiled = jax.jit(pure, donate_argnums=(1,)).lower(
+                [t._elem for t in tensors], [t._elem for t in state], weight_arrays).compile()
+        return _Graph(compiled, weight_arrays, out_spec[0])
