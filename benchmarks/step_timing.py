@@ -1,9 +1,10 @@
 """Split a generate run's wall time per engine step into device and host time.
 
 For the measured run the runner waits for each graph to finish before the host goes on
-(`serialize_graphs`), so executions never overlap host work or each other: torch_xla's
-`ExecuteTime` metric then adds up to the device time, and the rest of the wall time is
-host time (scheduling, input preparation, graph lookup or lazy tracing, transfers,
+(`serialize_graphs`), so executions never overlap host work or each other: the runtime's
+execution time (torch_xla's `ExecuteTime` metric; on the jax runtime the time the host
+waited for each launched graph) then adds up to the device time, and the rest of the wall
+time is host time (scheduling, input preparation, graph lookup or lazy tracing, transfers,
 output handling). The lost overlap makes the step a little slower than in serving.
 """
 
@@ -13,19 +14,12 @@ import collections
 import time
 
 
-def _execute_ns() -> tuple[int, float]:
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data("ExecuteTime")
-    return (int(data[0]), float(data[1])) if data else (0, 0.0)
-
-
 def timed(llm, fn) -> dict:
     """Run fn() (a generate call on `llm`) and return timing fields for a JSON row; the
     call's result is under "_result"."""
     engine = llm.llm_engine
     engine.runner.serialize_graphs = True
-    steps0, (n0, ns0) = engine.num_steps, _execute_ns()
+    steps0, (n0, ns0) = engine.num_steps, engine.runtime.execution_stats()
     graphs0 = collections.Counter(engine.runner.forward_graph_steps)
     t0 = time.perf_counter()
     try:
@@ -33,7 +27,7 @@ def timed(llm, fn) -> dict:
     finally:
         engine.runner.serialize_graphs = False
     elapsed = time.perf_counter() - t0
-    steps, (n1, ns1) = max(engine.num_steps - steps0, 1), _execute_ns()
+    steps, (n1, ns1) = max(engine.num_steps - steps0, 1), engine.runtime.execution_stats()
     device_ms = (ns1 - ns0) / 1e6 / steps
     graphs = collections.Counter(engine.runner.forward_graph_steps)
     graphs.subtract(graphs0)

@@ -1,6 +1,7 @@
-"""What only a TPU can show (run by .buildkite/run-tpu-tests.sh; skipped elsewhere):
-the Mosaic-compiled Pallas LoRA kernels against the float32 reference, the engine on
-torch_xla's ragged-paged-attention kernel against HF, end-to-end multi-LoRA generation
+"""What only a TPU can show (run by .buildkite/run-tpu-tests.sh; skipped elsewhere), on
+the runtime "auto" picks there (the jax runtime on a TPU; torch_xla with
+VLLM_TPU_LORA_TPU_TEST_RUNTIME=torch_xla): the Mosaic-compiled Pallas LoRA kernels
+against the float32 reference, the engine on the ragged-paged-attention kernel against HF, end-to-end multi-LoRA generation
 against PEFT on the real kernels (lora_backend="pallas") and on the xla backend's onehot
 strategy that "auto" picks there, and no compilation after warm-up on the TPU runtime
 (with "auto": the onehot graphs).
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from vllm_tpu_lora import LLM, LoRARequest, SamplingParams, platform
+from vllm_tpu_lora.runner.runtime import make_runtime, resolve_runtime
 
 from .conftest import SMALL_ENGINE
 
@@ -28,15 +30,31 @@ pytestmark = [
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 NEAR_TIE = 0.05  # logprob gap under which a float difference may flip the argmax
+RUNTIME = resolve_runtime("auto") if platform.is_tpu() else "torch_xla"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def highest_matmul_precision():
+    if RUNTIME == "jax":
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")
+        yield
+        jax.config.update("jax_default_matmul_precision", None)
+        return
     import torch_xla.backends
 
     torch_xla.backends.set_mat_mul_precision("highest")
     yield
     torch_xla.backends.set_mat_mul_precision("default")
+
+
+def test_tpu_runs_the_runtime_auto_picks():
+    """Without torch_xla (a current TPU VM) "auto" is the jax runtime, on the TPU."""
+    rt = make_runtime("auto")
+    assert rt.name == RUNTIME and platform.is_tpu()
+    if not platform.torch_xla_available():
+        assert rt.name == "jax" and rt.jax_device.platform == "tpu"
 
 
 def _assert_greedy_close(got: list[int], exp) -> None:
@@ -60,20 +78,24 @@ def test_mosaic_kernels_match_reference(t, r, n, dtype):
 
     assert not default_interpret()  # Mosaic, not the interpreter
     case = make_case(t, 1024, 1536, r, n, dtype, "skewed", seed=t + r)
-    dev = platform.xla_device()
-    x, a, b, idx, s, base, y = (v.to(dev) for v in case)
-    lay = bgmv_xla.make_segment_layout(idx, n, token_block(dtype, "pallas", t, n))
-    ys = bgmv_xla.to_token_order(bgmv_pallas.segment_shrink(x, a, lay, s), lay)
-    out = bgmv_pallas.segment_expand(bgmv_xla.to_segment_order(y, lay), b, lay, base)
-    platform.sync()
+    rt = make_runtime(RUNTIME)
+
+    def kernels(x, a, b, idx, s, base, y):
+        lay = bgmv_xla.make_segment_layout(idx, n, token_block(dtype, "pallas", t, n))
+        ys = bgmv_xla.to_token_order(bgmv_pallas.segment_shrink(x, a, lay, s), lay)
+        out = bgmv_pallas.segment_expand(bgmv_xla.to_segment_order(y, lay), b, lay, base)
+        return ys.float(), out.float()  # numpy (the way back) has no bfloat16
+
+    ys, out = (torch.from_numpy(rt.to_host(v))
+               for v in rt.eager(kernels)(*(rt.to_device(v) for v in case)))
     # The kernels follow the module's "highest" matmul precision: float32 products in
     # float32 (at "default" a TPU makes one bfloat16 pass, ~1e-2 relative error; both
     # measured on v5e at the JAX level with benchmarks/tpu_kernels.py).
     atol, rtol = TOLERANCE[dtype]
     ref_y = bgmv_shrink_ref(case.x, case.lora_a, case.idx, case.scale)
     ref_out = bgmv_expand_slice_ref(case.y, case.lora_b, case.idx, case.base, 0, 1536)
-    torch.testing.assert_close(ys.cpu().float(), ref_y.float(), atol=atol, rtol=rtol)
-    torch.testing.assert_close(out.cpu().float(), ref_out.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(ys.float(), ref_y.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=rtol)
 
 
 def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
@@ -88,7 +110,9 @@ def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for out, exp in zip(outs, hf_greedy(load_oracle_model(llama_dir), prompts, MAX_NEW)):
         _assert_greedy_close(out.outputs[0].token_ids, exp)
-    assert llm.llm_engine.stats()["compilations_after_warmup"] == 0
+    stats = llm.llm_engine.stats()
+    assert stats["compilations_after_warmup"] == 0
+    assert stats["runtime"] == RUNTIME and stats["device"] == "TPU"
 
 
 # "auto" on a TPU with 4 slots x rank 16: the xla backend's onehot strategy (step_layout)

@@ -84,10 +84,12 @@ def test_tpu_kernel_inputs_mean_the_cpu_attention(ragged_reference, monkeypatch,
                      kv_window_blocks(scheduled, BLOCK))
     slots_total = NUM_BLOCKS * BLOCK
     split = tuple(torch.zeros(slots_total, KV_HEADS, DIM) for _ in range(2))
-    combined = (torch.zeros(slots_total, 2 * KV_HEADS, DIM),)
     with monkeypatch.context() as m:  # the layout the engine allocates on a TPU
         m.setattr(attention.platform, "is_tpu", lambda: True)
-        assert attention.kv_cache_shapes(slots_total, KV_HEADS, DIM) == [combined[0].shape]
+        (shape,) = attention.kv_cache_shapes(slots_total, KV_HEADS, DIM)
+    # K and V heads interleaved, head_dim zero-padded to the kernel's 128 lanes
+    assert shape == (slots_total, 2 * KV_HEADS, attention.TPU_HEAD_DIM_ALIGN)
+    combined = (torch.zeros(shape),)
     _write_all_kv(scheduled, rng, [split, combined])
     meta = attention.AttentionMetadata(**{f: torch.from_numpy(getattr(a, f))
                                           for f in _META_FIELDS})  # what the runner passes

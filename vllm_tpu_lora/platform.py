@@ -15,13 +15,22 @@ import os
 
 def _tpu_present() -> bool:
     # A TPU VM exposes accelerator device nodes; libtpu is the runtime that drives them.
-    if not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
-        return False
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        try:
+            import libtpu  # noqa: F401
+
+            return True
+        except ImportError:
+            pass
+    # Without torch_xla only the jax runtime can run, and JAX knows its platform (a
+    # sandboxed TPU host may show no device node, and JAX may bundle its libtpu).
+    import importlib.util
+
+    if importlib.util.find_spec("torch_xla") is None and importlib.util.find_spec("jax"):
+        import jax
+
+        return jax.default_backend() == "tpu"
+    return False
 
 
 if "PJRT_DEVICE" not in os.environ:

@@ -4,9 +4,11 @@ KV cache per layer, a tuple of flat slot-major tensors:
 - CPU: `(k [num_blocks * block_size, num_kv_heads, head_dim], v [same])`. Separate K and
   V keep the gathered pages contiguous; with K/V interleaved XLA's CPU backend spent 5x
   longer on the strided copies than on the attention itself.
-- TPU: `(kv [num_blocks * block_size, 2 * num_kv_heads, head_dim],)` with K and V heads
-  interleaved (k0, v0, k1, v1, ...): the page layout of torch_xla's
-  `ragged_paged_attention` kernel, viewed flat.
+- TPU: `(kv [num_blocks * block_size, 2 * num_kv_heads, head_dim_padded],)` with K and V
+  heads interleaved (k0, v0, k1, v1, ...): the page layout of the `ragged_paged_attention`
+  kernel, viewed flat. head_dim is zero-padded to the kernel's 128 lanes (JAX's kernel
+  asserts it; Llama-3.2-1B's 64 would not pass): zero columns add nothing to q.k, and
+  the output's padding columns are cut off.
 
 Every step, each token first writes its own K/V into its slot, then attends to the
 first `kv_len` slots of its sequence through its sequence's block table. On CPU the
@@ -21,8 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from vllm_tpu_lora import platform
+
+TPU_HEAD_DIM_ALIGN = 128  # the ragged kernel's lane width
 
 
 @dataclass
@@ -43,7 +48,8 @@ class AttentionMetadata:
 
 def kv_cache_shapes(num_slots: int, num_kv_heads: int, head_dim: int) -> list[tuple]:
     if platform.is_tpu():
-        return [(num_slots, 2 * num_kv_heads, head_dim)]
+        padded = -(-head_dim // TPU_HEAD_DIM_ALIGN) * TPU_HEAD_DIM_ALIGN
+        return [(num_slots, 2 * num_kv_heads, padded)]
     return [(num_slots, num_kv_heads, head_dim)] * 2
 
 
@@ -55,6 +61,8 @@ def write_kv(kv_cache: tuple, k: torch.Tensor, v: torch.Tensor, slots: torch.Ten
         return
     t, hkv, d = k.shape
     kv = torch.stack((k, v), dim=2).reshape(t, 2 * hkv, d).to(kv_cache[0].dtype)
+    if kv_cache[0].shape[-1] > d:  # head_dim padded to the kernel's lanes
+        kv = F.pad(kv, (0, kv_cache[0].shape[-1] - d))
     kv_cache[0].index_copy_(0, slots, kv)
 
 
@@ -99,10 +107,13 @@ def paged_attention_tpu(q, kv_cache, meta: AttentionMetadata, block_size: int, s
     same kernel, inputs and page layout) inside the jitted step on the jax runtime. It
     applies the sliding window and soft cap itself, with the reference's rules."""
     t, h, d = q.shape
-    pages = kv_cache[0].view(-1, block_size, kv_cache[0].shape[1], d)
+    padded = kv_cache[0].shape[-1]
+    pages = kv_cache[0].view(-1, block_size, kv_cache[0].shape[1], padded)
+    if padded > d:
+        q = F.pad(q, (0, padded - d))
     if hasattr(q, "_elem"):  # a torchax tensor: the jax runtime
-        return _jax_ragged_attention(q, pages, meta, scale, sliding_window, soft_cap).reshape(
-            t, h * d)
+        out = _jax_ragged_attention(q, pages, meta, scale, sliding_window, soft_cap)
+        return out[..., :d].reshape(t, h * d)
     from torch_xla.experimental.custom_kernel import ragged_paged_attention
 
     out = ragged_paged_attention(
@@ -116,7 +127,7 @@ def paged_attention_tpu(q, kv_cache, meta: AttentionMetadata, block_size: int, s
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    return out.reshape(t, h * d)
+    return out[..., :d].reshape(t, h * d)
 
 
 def _jax_ragged_attention(q, pages, meta: AttentionMetadata, scale: float,
@@ -126,8 +137,11 @@ def _jax_ragged_attention(q, pages, meta: AttentionMetadata, scale: float,
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
     from torchax import interop
 
-    kernel = functools.partial(ragged_paged_attention, sm_scale=scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+    from vllm_tpu_lora.ops.pallas_kernels import traced_without_x64
+
+    kernel = traced_without_x64(functools.partial(
+        ragged_paged_attention, sm_scale=scale, sliding_window=sliding_window,
+        soft_cap=soft_cap))
     return interop.call_jax(kernel, q, pages, meta.seq_kv_lens.to(torch.int32),
                             meta.seq_block_tables.to(torch.int32), meta.cu_q_lens.to(torch.int32),
                             meta.num_seqs.to(torch.int32))

@@ -274,7 +274,8 @@ def _kept_mask(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     quanta = torch.round(probs * _MASS_SCALE).to(torch.int32)
     top_p = t.top_p.float()
     # For an integer mass, mass < x <=> mass < ceil(x).
-    budget = torch.ceil(top_p.clamp(0.0, 1.0) * _MASS_SCALE).to(torch.int32)
+    # ceil(x) as -floor(-x): torchax 0.0.13's ceil casts with a deprecated array-as-dtype.
+    budget = (-torch.floor(-top_p.clamp(0.0, 1.0) * _MASS_SCALE)).to(torch.int32)
     hi = torch.full_like(k, _INT32_MAX)
     for i in range(_BISECT_STEPS):
         mid = torch.full_like(hi, -1) if i == 0 else hi - 2 ** (31 - i)

@@ -28,6 +28,7 @@ from vllm_tpu_lora.ops.pallas_kernels import (  # noqa: F401  (re-exported for c
     jax_matmul_precision,
     shrink_kernel,
     shrink_pallas_call,
+    traced_without_x64,
 )
 
 
@@ -64,7 +65,7 @@ def _run_kernel(kernel, op, static: dict, *tensors):
         from torchax import interop
 
         fn = _bound(kernel, **static, precision=jax_matmul_precision())
-        return interop.call_jax(fn, *tensors)
+        return interop.call_jax(traced_without_x64(fn), *tensors)
     return op(*tensors, **static)
 
 

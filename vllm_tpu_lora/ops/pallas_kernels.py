@@ -70,6 +70,27 @@ PRECISIONS = {
 }
 
 
+def _x64_context(on: bool):
+    # jax >= 0.8: jax.enable_x64 (a config state, callable as a context manager).
+    return (jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64)(on)
+
+
+def x64(on: bool = True):
+    """A context with JAX's 64-bit types on (or off) for what is traced or run inside."""
+    return _x64_context(on)
+
+
+def traced_without_x64(fn):
+    """fn traced with JAX's 32-bit defaults, also inside an x64 trace (the jax runtime's
+    graphs, whose int64 step inputs need x64): Mosaic takes no 64-bit scalars, and under
+    x64 a Pallas kernel's Python-int constants and grid indices become int64 ("Bad lhs
+    type", an index map returning i64, lax.div of int32 by int64)."""
+    def call(*args, **kwargs):
+        with _x64_context(False):
+            return fn(*args, **kwargs)
+    return call
+
+
 def jax_matmul_precision() -> str:
     """JAX's default matmul precision (what torchax's matmuls use) in the names the LoRA
     kernels take, so a float32 engine set to "highest" gets float32 LoRA products too."""
@@ -89,12 +110,15 @@ def _check_precision(precision: str) -> None:
 
 
 def _nt_dot(a, b, precision):
-    """a [M, K] @ b [N, K].T with float32 accumulation (MXU-native NT matmul)."""
+    """a [M, K] @ b [N, K].T with float32 accumulation (MXU-native NT matmul). The
+    precision applies to float32 operands only: bfloat16 ones are one exact MXU pass
+    anyway, and Mosaic refuses a bfloat16 dot asked for "highest" ("Bad lhs type",
+    seen on a v5e)."""
     return jax.lax.dot_general(
         a,
         b,
         (((1,), (1,)), ((), ())),
-        precision=PRECISIONS[precision],
+        precision=PRECISIONS[precision] if a.dtype == jnp.float32 else None,
         preferred_element_type=jnp.float32,
     )
 

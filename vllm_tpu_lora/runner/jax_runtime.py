@@ -22,6 +22,7 @@ Pallas bridge in the same process) keep JAX's defaults.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,11 +33,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from vllm_tpu_lora import platform
-from vllm_tpu_lora.ops.pallas_kernels import jax_matmul_precision
+from vllm_tpu_lora.ops.pallas_kernels import jax_matmul_precision, x64
 from vllm_tpu_lora.runner.lazy_capture import FixedTensors
 from vllm_tpu_lora.torchax_compat import import_torchax
 
-_x64 = getattr(jax, "enable_x64", None) or jax.experimental.enable_x64
+_x64 = x64
 
 # XLA compilations in this process, from JAX's own compile events (one per executable
 # built, whether by a captured graph, an eager op or a transfer helper).
@@ -82,6 +83,7 @@ class JaxRuntime:
         self.jax_device = jax.devices()[0]
         platform.set_device_type("TPU" if self.jax_device.platform == "tpu" else "CPU")
         self.device = torch.device("jax:0")
+        self._waits, self._waited_ns = 0, 0.0
         _listen_for_compiles()
 
     # ---- moving data ----
@@ -138,7 +140,17 @@ class JaxRuntime:
         pass  # jax launches each call asynchronously by itself
 
     def wait(self, *tensors) -> None:
+        start = time.perf_counter_ns()
         jax.block_until_ready([t._elem for t in tensors])
+        self._waits += 1
+        self._waited_ns += time.perf_counter_ns() - start
+
+    def execution_stats(self) -> tuple[int, float]:
+        """(waits, ns the host spent in them): JAX keeps no execution-time metric, so with
+        every graph waited for (step_timing's serialized runs) the device time is the time
+        the host blocked after each launch; a graph's execution that overlapped its own
+        dispatch is counted as host time."""
+        return self._waits, self._waited_ns
 
     def compile_count(self) -> int:
         return jax_compile_count()

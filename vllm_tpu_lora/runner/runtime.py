@@ -94,6 +94,13 @@ class TorchXLARuntime:
     def compile_count(self) -> int:
         return platform.compile_count()
 
+    def execution_stats(self) -> tuple[int, float]:
+        """(graph executions, their device ns) so far: torch_xla's ExecuteTime metric."""
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("ExecuteTime")
+        return (int(data[0]), float(data[1])) if data else (0, 0.0)
+
     def matmul_precision(self) -> str:
         import torch_xla.backends
 

@@ -146,7 +146,7 @@ def _to_legacy_config(out_dir: str) -> None:
 def _make_model(model_cls, config_cls, out_dir: str, *, seed: int, dtype: torch.dtype,
                 shard_size: int | str | None, legacy_config: bool, rope_theta: float,
                 rope_scaling: Mapping | None, initializer_range: float | None,
-                **config_kw) -> str:
+                tokenizer_vocab_size: int | None = None, **config_kw) -> str:
     if initializer_range is None:
         initializer_range = 2.0 / config_kw["hidden_size"] ** 0.5
     config = config_cls(
@@ -163,7 +163,7 @@ def _make_model(model_cls, config_cls, out_dir: str, *, seed: int, dtype: torch.
     model.save_pretrained(out_dir, max_shard_size=shard_size or "50GB")
     if legacy_config:
         _to_legacy_config(out_dir)
-    build_tokenizer(out_dir, vocab_size=config.vocab_size)
+    build_tokenizer(out_dir, vocab_size=tokenizer_vocab_size or config.vocab_size)
     return out_dir
 
 
@@ -173,9 +173,13 @@ def make_tiny_llama(out_dir: str, *, hidden_size: int = 64, num_layers: int = 2,
                     max_position_embeddings: int = 512, rope_theta: float = 10000.0,
                     rope_scaling: Mapping | None = None, seed: int = 0,
                     dtype: torch.dtype = torch.float32, shard_size: int | str | None = None,
-                    initializer_range: float | None = None, legacy_config: bool = False) -> str:
+                    initializer_range: float | None = None, legacy_config: bool = False,
+                    tokenizer_vocab_size: int | None = None) -> str:
     """A random-weight `LlamaForCausalLM` checkpoint (GQA by default) plus tokenizer.
 
+    tokenizer_vocab_size: a tokenizer smaller than the model's vocabulary (the built-in
+    corpus gives at most 8192 tokens), for benchmarks at real vocabulary sizes that feed
+    token ids; ids past it decode to nothing.
     initializer_range defaults to 2/sqrt(hidden_size) (0.25 at 64; HF's 0.02 is far too small
     for a tiny model: greedy repeats one token). It keeps activations O(1) at any width, the
     greedy output varied and the top-1/top-2 logprob gaps mostly > 0.03, so float32 rounding
@@ -185,8 +189,8 @@ def make_tiny_llama(out_dir: str, *, hidden_size: int = 64, num_layers: int = 2,
     return _make_model(
         LlamaForCausalLM, LlamaConfig, out_dir, seed=seed, dtype=dtype, shard_size=shard_size,
         legacy_config=legacy_config, rope_theta=rope_theta, rope_scaling=rope_scaling,
-        initializer_range=initializer_range, hidden_size=hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        initializer_range=initializer_range, tokenizer_vocab_size=tokenizer_vocab_size,
+        hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
         vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=max_position_embeddings,
@@ -204,8 +208,7 @@ def make_tiny_qwen2(out_dir: str, *, hidden_size: int = 64, num_layers: int = 2,
     return _make_model(
         Qwen2ForCausalLM, Qwen2Config, out_dir, seed=seed, dtype=dtype, shard_size=shard_size,
         legacy_config=legacy_config, rope_theta=rope_theta, rope_scaling=rope_scaling,
-        initializer_range=initializer_range, hidden_size=hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        initializer_range=initializer_range, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
         vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=max_position_embeddings,

@@ -1,0 +1,216 @@
+"""The engine on its runtimes at the Llama-3.2-1B shape, against a plain-`jax.jit` decode
+step of the same weights (the anchor); all rows in one process.
+
+Model: a random Llama with Llama-3.2-1B's shape (hidden 2048, intermediate 8192, 16
+layers, 32 / 8 heads, vocab 128256), bf16. Workload: 64 requests, prompts of 128-512
+tokens, 128 greedy new tokens, max_num_seqs 32. One engine per runtime (LoRA enabled,
+max_loras = the largest adapter count, rank 16 on all seven linears) serves the base
+model and N distinct adapters in turn. Rows per (runtime, adapters):
+  - `serialized`: step_timing's split of a step into device and host ms (every graph
+    waited for: device = the waits, host = the rest);
+  - `serving`: the same run without waits, as the engine serves: throughput and the
+    median wall time of the decode steps that ran the full batch;
+and one `anchor` row: the same weights and batch in a hand-written jax.jit decode step
+(ragged paged attention over contexts like the engine's, KV donated), median synced call.
+
+    python benchmarks/benchmark_jax_runtime.py --out docs/results/jax_runtime.jsonl  # TPU
+    python benchmarks/benchmark_jax_runtime.py --small      # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_throughput import add_model_args, apply_small, make_workload  # noqa: E402
+from many_adapters import make_many_adapters  # noqa: E402
+from step_timing import timed_generate  # noqa: E402
+
+LLAMA_1B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256,
+                num_requests=64, prompt_len=[128, 512], output_len=[128, 128], max_num_seqs=32,
+                max_num_batched_tokens=256)
+
+
+def parse_args() -> argparse.Namespace:
+    from vllm_tpu_lora import platform
+
+    p = argparse.ArgumentParser(description=__doc__)
+    add_model_args(p)
+    p.set_defaults(**LLAMA_1B)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--num-adapters", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--lora-backend", default="auto")
+    default_runtimes = ["jax"] + (["torch_xla"] if platform.torch_xla_available() else [])
+    p.add_argument("--runtimes", nargs="+", default=default_runtimes)
+    p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--anchor-calls", type=int, default=30)
+    p.add_argument("--out", default=None, help="append the JSON rows to this file too")
+    args = apply_small(p.parse_args())
+    if args.small:
+        args.num_adapters, args.rank, args.anchor_calls = [2], 8, 5
+    return args
+
+
+def emit(row: dict, out) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def make_model(args, out_dir: str) -> str:
+    import torch
+
+    from vllm_tpu_lora.testing.factory import make_tiny_llama
+
+    return make_tiny_llama(out_dir, hidden_size=args.hidden, num_layers=args.layers,
+                           num_heads=args.heads, num_kv_heads=args.kv_heads,
+                           intermediate_size=args.intermediate, vocab_size=args.vocab,
+                           max_position_embeddings=2048, seed=args.seed,
+                           dtype=torch.float32 if args.small else torch.bfloat16,
+                           initializer_range=0.02, tokenizer_vocab_size=min(args.vocab, 8192))
+
+
+class StepClock:
+    """Wall time of each engine step, and whether it was a decode step of the full batch."""
+
+    def __init__(self, engine, batch: int) -> None:
+        self.engine, self.batch, self.decode_ms = engine, batch, []
+        runner, step = engine.runner, engine.step
+        execute = runner.execute
+        self.full_decode = False
+
+        def timed_execute(scheduled, want_top):
+            self.full_decode = (len(scheduled) == batch
+                                and all(s.num_tokens == 1 for s in scheduled))
+            return execute(scheduled, want_top)
+
+        def timed_step():
+            self.full_decode = False
+            t0 = time.perf_counter()
+            out = step()
+            if self.full_decode:
+                self.decode_ms.append(1e3 * (time.perf_counter() - t0))
+            return out
+
+        runner.execute, engine.step = timed_execute, timed_step
+
+    def close(self) -> None:
+        del self.engine.runner.execute, self.engine.step
+
+
+def serving_row(llm, work, loras, batch: int) -> dict:
+    from vllm_tpu_lora import SamplingParams
+
+    clock = StepClock(llm.llm_engine, batch)
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in work]
+    t0 = time.perf_counter()
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params,
+                            lora_request=loras, use_tqdm=False)
+    finally:
+        clock.close()
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"output_tokens_per_s": n_out / elapsed, "elapsed_s": elapsed,
+            "full_decode_steps": len(clock.decode_ms),
+            "decode_step_ms": statistics.median(clock.decode_ms) if clock.decode_ms else None}
+
+
+def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out) -> list[dict]:
+    from vllm_tpu_lora import LLM, LoRARequest
+
+    t0 = time.perf_counter()
+    max_len = args.prompt_len[1] + args.output_len[1]
+    llm = LLM(model_dir, runtime=runtime, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
+              enable_lora=True, max_loras=max(args.num_adapters), max_lora_rank=args.rank,
+              lora_backend=args.lora_backend, enable_prefix_caching=False,
+              kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30))
+    stats = llm.llm_engine.stats()
+    emit({"row": "engine", "runtime": runtime, "startup_s": time.perf_counter() - t0,
+          "num_graphs": stats["num_graphs"], "warmup_s": stats["warmup_seconds"],
+          "device": stats["device"], "lora_backend": llm.llm_engine.runner.punica.backend}, out)
+    reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    for r in reqs:  # read into the host cache now: the timed runs measure serving
+        llm.llm_engine.add_lora(r)
+    rows = []
+    for n in [0, *args.num_adapters]:
+        loras = [reqs[i % n] for i in range(len(work))] if n else None
+        serving_row(llm, work[: args.max_num_seqs], loras, args.max_num_seqs)  # warm slots
+        ser = timed_generate(llm, work, lora_request=loras)
+        row = {"row": "engine_run", "runtime": runtime, "adapters": n,
+               **{k: ser[k] for k in ("output_tokens_per_s", "ms_per_step", "device_ms_per_step",
+                                      "host_ms_per_step", "steps")},
+               "serving": serving_row(llm, work, loras, args.max_num_seqs),
+               "compilations_after_warmup":
+                   llm.llm_engine.stats()["compilations_after_warmup"]}
+        emit(row, out)
+        rows.append(row)
+    base = rows[0]["serving"]["output_tokens_per_s"]
+    for row in rows[1:]:
+        emit({"row": "lora_vs_base", "runtime": runtime, "adapters": row["adapters"],
+              "throughput_ratio": row["serving"]["output_tokens_per_s"] / base}, out)
+    anchor = anchor_row(llm, work, args)
+    emit(anchor, out)
+    if anchor["ms"] and rows[0]["serving"]["decode_step_ms"]:
+        emit({"row": "decode_vs_anchor", "runtime": runtime,
+              "engine_decode_step_ms": rows[0]["serving"]["decode_step_ms"],
+              "anchor_ms": anchor["ms"],
+              "ratio": rows[0]["serving"]["decode_step_ms"] / anchor["ms"]}, out)
+    return rows
+
+
+def anchor_row(llm, work, args) -> dict:
+    """The engine's own weights (its device arrays, on the jax runtime) in a plain jax.jit
+    decode step: batch max_num_seqs, contexts as the engine's first decode wave had."""
+    engine = llm.llm_engine
+    if engine.runtime.name != "jax":
+        return {"row": "anchor", "ms": None, "why": "weights are read from a jax-runtime engine"}
+    import jax
+    from jax_anchor import build_anchor
+
+    b = args.max_num_seqs
+    ctx = [len(p) + o // 2 for p, o in work[:b]]
+    step, state, inputs = build_anchor(engine.runner.model, ctx, engine.config.cache_config.block_size)
+    state = step(state, *inputs)[1]
+    ts = []
+    for _ in range(args.anchor_calls):
+        t0 = time.perf_counter()
+        tok, state = step(state, *inputs)
+        jax.block_until_ready(tok)
+        ts.append(1e3 * (time.perf_counter() - t0))
+    return {"row": "anchor", "ms": statistics.median(ts), "batch": b,
+            "mean_context": float(np.mean(ctx)), "calls": args.anchor_calls}
+
+
+def main() -> int:
+    args = parse_args()
+    import jax
+    import torch
+
+    emit({"row": "setup", "jax": jax.__version__, "torch": torch.__version__,
+          "devices": str(jax.devices()), "args": vars(args)}, args.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        model_dir = make_model(args, os.path.join(tmp, "model"))
+        paths = make_many_adapters(model_dir, os.path.join(tmp, "adapters"),
+                                   max(args.num_adapters), args.rank)
+        emit({"row": "made_model_and_adapters", "s": time.perf_counter() - t0}, args.out)
+        work = make_workload(args)
+        for runtime in args.runtimes:
+            engine_rows(runtime, model_dir, paths, work, args, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

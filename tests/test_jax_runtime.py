@@ -1,0 +1,309 @@
+"""runtime="jax" (the engine's torch modules as jax.jit graphs through torchax) on CPU:
+the same oracles as the torch_xla suite, on the engine that runs through JAX.
+
+- HF greedy parity (Llama GQA/untied, Qwen2 bias/tied), chunked prefill mixed with
+  decodes, ids identical and logprobs to 1e-4 (test_hf_parity's oracle);
+- PEFT parity of mixed-adapter batches on both LoRA backends (xla; pallas, whose kernels
+  run in interpret mode on CPU) with fewer device slots than adapters (test_lora_e2e's);
+- seeded sampling (n=2, top-p/top-k, logprobs) equal to the torch_xla runtime's;
+- prefix caching (base and adapter) and adapter remove/re-add/load_inplace, against
+  HF/PEFT;
+- a real `vllm-tpu-lora serve --runtime jax` process queried with the openai client;
+- torchax_compat's tolerance of removed named-tensor overloads, and bad arguments.
+
+Nothing compiles after warm-up, counted by the engine and by JAX's own compile events.
+"""
+
+import contextlib
+import sys
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from vllm_tpu_lora import LLM, LoRARequest, SamplingParams
+from vllm_tpu_lora.runner.jax_runtime import jax_compile_count
+from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
+from vllm_tpu_lora.testing.server import RemoteServer
+
+from .conftest import SMALL_ENGINE
+from .test_hf_parity import _assert_matches_hf, _check_parity
+from .test_lora_e2e import (
+    ADAPTER_SPECS,
+    GREEDY,
+    MAX_NEW,
+    _assert_matches_peft,
+    _make_adapters,
+    _mixed_workload,
+)
+
+# 4 adapters (ranks 4-16) through 2 device slots: slots are evicted and written again.
+LORA_ENGINE = dict(enable_lora=True, max_loras=2, max_lora_rank=16, **SMALL_ENGINE)
+FULL_HIT = 32  # a 41-token prompt: 2 full 16-token blocks (the last token is computed)
+
+
+@contextlib.contextmanager
+def no_jax_compiles():
+    """No XLA compilation inside the block, by JAX's own compile events (process-wide:
+    transfers and slot writes outside the engine's watched regions count too)."""
+    before = jax_compile_count()
+    yield
+    assert jax_compile_count() == before, f"{jax_compile_count() - before} compilation(s)"
+
+
+def _jax_llm(model_dir: str, **kwargs) -> LLM:
+    before = jax_compile_count()
+    llm = LLM(model_dir, runtime="jax", **kwargs)
+    stats = llm.llm_engine.stats()
+    assert stats["runtime"] == "jax" and stats["graph_replay"]
+    # The counter the no-compile checks rely on does see this engine's warm-up.
+    assert stats["num_graphs"] > 0 and jax_compile_count() - before >= stats["num_graphs"]
+    return llm
+
+
+@pytest.fixture(scope="module")
+def jax_llama(llama_dir):
+    return _jax_llm(llama_dir, **SMALL_ENGINE)
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_dir, tmp_path_factory):
+    return _make_adapters(llama_dir, tmp_path_factory, ADAPTER_SPECS)
+
+
+@pytest.fixture(scope="module")
+def peft_oracle(llama_dir, adapters):
+    return load_oracle_model(llama_dir, adapters)
+
+
+@pytest.fixture(scope="module")
+def jax_lora(llama_dir):
+    return _jax_llm(llama_dir, lora_backend="xla", **LORA_ENGINE)
+
+
+def _peft_ids(oracle, prompt, name, max_new=MAX_NEW) -> list[int]:
+    return hf_greedy(oracle, [prompt], max_new, adapter_names=[name])[0].token_ids
+
+
+def _prompt(seed: int, n: int = 41) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, size=n).tolist()
+
+
+# ---- 1. HF greedy parity ------------------------------------------------------------------
+
+def test_llama_gqa_untied_matches_hf(llama_dir, jax_llama):
+    with no_jax_compiles():
+        _check_parity(jax_llama, llama_dir, seed=0)
+    stats = jax_llama.llm_engine.stats()
+    assert stats["runtime"] == "jax" and stats["compilations_after_warmup"] == 0
+    # Prompts of up to 200 tokens through a 32-token budget: chunked, in both token buckets.
+    assert {key.split("/")[0] for key, n in stats["forward_graph_steps"].items() if n} == {
+        "T16", "T32"}
+
+
+def test_qwen2_bias_tied_matches_hf(qwen2_dir):
+    llm = _jax_llm(qwen2_dir, **SMALL_ENGINE)
+    with no_jax_compiles():
+        _check_parity(llm, qwen2_dir, seed=1)
+    assert llm.llm_engine.stats()["compilations_after_warmup"] == 0
+
+
+# ---- 2. PEFT parity, mixed adapters, slot pressure -----------------------------------------
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_mixed_adapter_batch_matches_peft(request, llama_dir, adapters, backend):
+    llm = (request.getfixturevalue("jax_lora") if backend == "xla"
+           else _jax_llm(llama_dir, lora_backend="pallas", **LORA_ENGINE))
+    assert llm.llm_engine.runner.punica.backend == backend
+    engine = llm.llm_engine
+    loads = engine.stats()["lora_slot_loads"]
+    prompts, picks = _mixed_workload(adapters, n_prompts=12, seed=3)
+    assert None in picks and set(adapters) <= set(picks)
+    with no_jax_compiles():
+        _assert_matches_peft(llm, llama_dir, adapters, prompts, picks)
+    stats = engine.stats()
+    assert stats["lora_slot_loads"] - loads > 2  # 4 adapters through 2 slots
+    assert stats["lora_slots_in_use"] <= 2 and stats["compilations_after_warmup"] == 0
+
+
+# ---- 3. seeded sampling: jax == torch_xla -------------------------------------------------
+
+def test_seeded_sampling_equals_torch_xla(llama_dir, jax_llama):
+    xla_llm = LLM(llama_dir, runtime="torch_xla", **SMALL_ENGINE)
+    assert xla_llm.llm_engine.stats()["runtime"] == "torch_xla"
+    rng = np.random.default_rng(21)
+    prompts = [{"prompt_token_ids": rng.integers(3, 500, size=n).tolist()} for n in (5, 40, 17, 2)]
+    params = [SamplingParams(n=2, temperature=t, top_p=p, top_k=k, seed=s, max_tokens=10,
+                             ignore_eos=True, logprobs=2)
+              for t, p, k, s in ((0.8, 0.9, 40, 1), (1.0, 1.0, 0, 2), (1.3, 0.7, 0, 3),
+                                 (0.9, 1.0, 100, 2**40))]
+    with no_jax_compiles():
+        got = jax_llama.generate(prompts, params, use_tqdm=False)
+    want = xla_llm.generate(prompts, params, use_tqdm=False)
+    assert jax_llama.llm_engine.stats()["compilations_after_warmup"] == 0
+    sampled_differs = False
+    for g, w in zip(got, want):
+        gc, wc = (sorted(out.outputs, key=lambda c: c.index) for out in (g, w))
+        assert len(gc) == len(wc) == 2
+        sampled_differs |= gc[0].token_ids != gc[1].token_ids
+        for a, b in zip(gc, wc):
+            assert a.token_ids == b.token_ids, g.request_id
+            for entry_a, entry_b in zip(a.logprobs, b.logprobs):
+                assert entry_a.keys() == entry_b.keys()
+                np.testing.assert_allclose([entry_a[t].logprob for t in entry_a],
+                                           [entry_b[t].logprob for t in entry_a],
+                                           atol=1e-5, rtol=0)
+    assert sampled_differs, "the n=2 samples were all identical: not sampling"
+
+
+# ---- 4. prefix caching ---------------------------------------------------------------------
+
+def _hits(llm) -> int:
+    return llm.llm_engine.stats()["prefix_cache_hits"]
+
+
+def test_prefix_cache_hits_and_matches_hf(llama_dir, jax_llama):
+    prompt = _prompt(99)
+    before = _hits(jax_llama)
+    with no_jax_compiles():
+        _assert_matches_hf(jax_llama, llama_dir, [prompt])
+        assert _hits(jax_llama) == before
+        _assert_matches_hf(jax_llama, llama_dir, [prompt])
+        assert _hits(jax_llama) - before == FULL_HIT
+        # Three requests reading the cached blocks in one batch, with other continuations.
+        others = [prompt, prompt[:35] + _prompt(5, 6), prompt[:33] + _prompt(6, 20)]
+        _assert_matches_hf(jax_llama, llama_dir, others)
+    assert _hits(jax_llama) - before == 4 * FULL_HIT
+
+
+def test_prefix_cache_with_adapter_matches_peft(jax_lora, peft_oracle, adapters):
+    prompt = _prompt(98)
+    lora = LoRARequest("cached-rs16", 700, adapters["rs16"])
+    want = _peft_ids(peft_oracle, prompt, "rs16")
+    assert want != _peft_ids(peft_oracle, prompt, None)
+    hits = []
+    with no_jax_compiles():
+        for _ in range(2):
+            before = _hits(jax_lora)
+            out = jax_lora.generate({"prompt_token_ids": prompt}, GREEDY, lora_request=lora,
+                                    use_tqdm=False)
+            assert out[0].outputs[0].token_ids == want
+            hits.append(_hits(jax_lora) - before)
+    assert hits == [0, FULL_HIT]
+    assert jax_lora.llm_engine.stats()["loras"]["cached-rs16"]["prefix_cache_hits"] >= FULL_HIT
+    jax_lora.llm_engine.remove_lora(700)
+
+
+# ---- 5. adapter lifecycle ------------------------------------------------------------------
+
+def test_remove_readd_and_load_inplace_serve_new_weights(jax_lora, peft_oracle, adapters):
+    engine = jax_lora.llm_engine
+    prompt = _prompt(97, 9)
+    want = {n: _peft_ids(peft_oracle, prompt, n) for n in ("all8", "qv4", "pattern")}
+    assert len({tuple(ids) for ids in want.values()}) == 3  # the versions are told apart
+
+    def run(req):
+        out = jax_lora.generate({"prompt_token_ids": prompt}, GREEDY, lora_request=req,
+                                use_tqdm=False)
+        return out[0].outputs[0].token_ids
+
+    with no_jax_compiles():
+        assert run(LoRARequest("tenant", 800, adapters["all8"])) == want["all8"]
+        assert engine.remove_lora(800) is True
+        assert 800 not in engine.list_loras() and 800 not in engine.lora_manager.slots
+        v2 = LoRARequest("tenant", 800, adapters["qv4"])  # same id, other weights
+        assert run(v2) == want["qv4"]
+        v3 = LoRARequest("tenant", 800, adapters["pattern"])
+        assert engine.add_lora(v3, load_inplace=True) is True
+        assert run(v3) == want["pattern"]
+    stats = engine.stats()
+    assert stats["compilations_after_warmup"] == 0 and stats["captures_after_warmup"] == 0
+    assert engine.remove_lora(800) is True
+
+
+# ---- 6. the server -------------------------------------------------------------------------
+
+SERVE = [sys.executable, "-m", "vllm_tpu_lora.entrypoints.cli", "serve"]
+
+
+def test_server_adapter_completion_matches_peft(llama_dir, adapters, peft_oracle):
+    from transformers import AutoTokenizer
+
+    args = [llama_dir, "--runtime", "jax", "--served-model-name", "base", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "16", "--max-model-len", "128", "--enable-lora",
+            "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
+            f"all8={adapters['all8']}", "--disable-uvicorn-access-log"]
+    with RemoteServer(args, command=SERVE, wait=False) as server:
+        # The oracle runs while the server starts.
+        tok = AutoTokenizer.from_pretrained(llama_dir)
+        text = "The cat sat on the mat because"
+        ids = tok(text).input_ids
+        want = hf_greedy(peft_oracle, [ids], 10, adapter_names=["all8"])[0]
+        assert want.token_ids != _peft_ids(peft_oracle, ids, None, 10)
+        server.wait_healthy()
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                               timeout=120)
+        cards = {m.id: m for m in client.models.list().data}
+        assert list(cards) == ["base", "all8"]
+        assert cards["all8"].root == adapters["all8"]
+        got = client.completions.create(model="all8", prompt=text, max_tokens=10, temperature=0,
+                                        logprobs=0, extra_body={"ignore_eos": True})
+        choice = got.choices[0]
+        assert got.model == "all8" and choice.finish_reason == "length"
+        assert choice.logprobs.tokens == [tok.decode([t]) for t in want.token_ids]
+        np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs, atol=1e-4,
+                                   rtol=0)
+        # The text is the ids' decoding (an incomplete last character is held back).
+        full = tok.decode(want.token_ids, skip_special_tokens=True)
+        assert choice.text == full.rstrip("\ufffd")
+        stats = server.stats()
+        assert stats["runtime"] == "jax" and stats["compilations_after_warmup"] == 0
+
+
+# ---- 7. torchax_compat ---------------------------------------------------------------------
+
+def test_tolerate_removed_named_overloads():
+    from vllm_tpu_lora.torchax_compat import RemovedOverload, tolerate_removed_named_overloads
+
+    packet_type = torch._ops.OpOverloadPacket
+    original = packet_type.__getattr__
+    prod = torch.ops.aten.prod
+    cached = prod.dim_int
+    # A packet whose overloads are not cached yet: each lookup goes through __getattr__
+    # (a private constructor, but one that leaves torch's own packets untouched).
+    fresh = packet_type(prod._qualified_op_name, prod.__name__, prod._op, prod._overload_names)
+    has_named = hasattr(prod, "dim_Dimname")  # torch >= 2.13 removed it
+    with tolerate_removed_named_overloads():
+        gone = prod.dim_Dimname_gone_for_test
+        assert isinstance(gone, RemovedOverload)
+        with pytest.raises(NotImplementedError, match=r"aten::prod\.dim_Dimname_gone_for_test"):
+            gone(torch.ones(2))
+        with pytest.raises(AttributeError, match="not_an_overload"):
+            prod.not_an_overload  # noqa: B018
+        assert prod.dim_int is cached
+        looked_up = fresh.dim_int
+        assert isinstance(looked_up, torch._ops.OpOverload)
+        assert looked_up._schema == cached._schema
+        assert looked_up(torch.tensor([[2.0, 3.0]]), 1).tolist() == [6.0]
+        if has_named:
+            assert isinstance(fresh.dim_Dimname, torch._ops.OpOverload)
+    assert packet_type.__getattr__ is original
+    with pytest.raises(AttributeError):
+        prod.dim_Dimname_gone_for_test  # noqa: B018
+    with pytest.raises(AttributeError):
+        fresh.names_gone_for_test  # noqa: B018
+    # Undone when the block raises, too.
+    with pytest.raises(KeyError), tolerate_removed_named_overloads():
+        raise KeyError("x")
+    assert packet_type.__getattr__ is original
+
+
+# ---- 8. bad arguments ----------------------------------------------------------------------
+
+def test_bad_runtime_arguments(llama_dir):
+    with pytest.raises(ValueError, match="runtime"):
+        LLM(llama_dir, runtime="nope", **SMALL_ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size") as err:
+        LLM(llama_dir, runtime="jax", tensor_parallel_size=2, **SMALL_ENGINE)
+    assert "jax" in str(err.value)
