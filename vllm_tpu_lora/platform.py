@@ -2,7 +2,7 @@
 
 PJRT_DEVICE must be decided before torch_xla is imported, so every module that needs
 torch_xla imports it through here. torch_xla itself is imported only when a torch_xla
-function is called: the jax runtime (runtime/jax_runtime.py) runs where torch_xla is not
+function is called: the jax runtime (runner/jax_runtime.py) runs where torch_xla is not
 installed, and sets PJRT_DEVICE to the platform JAX found, so `is_tpu()` answers for both.
 """
 
@@ -82,7 +82,9 @@ def optimization_barrier(tensors: list) -> None:
     """An XLA optimization barrier over `tensors` (in place): the compiler may not move or
     merge computation across it. Inside a jax-runtime graph the tensors are torchax
     tensors and the barrier is JAX's."""
-    if tensors and hasattr(tensors[0], "_elem"):
+    from vllm_tpu_lora.torchax_compat import is_torchax_tensor
+
+    if tensors and is_torchax_tensor(tensors[0]):
         import jax
 
         arrays = jax.lax.optimization_barrier([t._elem for t in tensors])

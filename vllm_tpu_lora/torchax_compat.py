@@ -58,6 +58,12 @@ def tolerate_removed_named_overloads():
         packet.__getattr__ = original
 
 
+def is_torchax_tensor(t) -> bool:
+    """A torchax tensor (its data a jax array in `._elem`): code running on the jax
+    runtime, which some ops take a JAX path for (Pallas kernels, bitcasts, barriers)."""
+    return hasattr(t, "_elem")
+
+
 def import_torchax():
     """torchax with its default environment built (its op tables load there, lazily)."""
     if "torchax" not in sys.modules or not getattr(sys.modules["torchax"], "env", None):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_tpu_lora import platform
+from vllm_tpu_lora.torchax_compat import is_torchax_tensor
 
 TPU_HEAD_DIM_ALIGN = 128  # the ragged kernel's lane width
 
@@ -111,7 +112,7 @@ def paged_attention_tpu(q, kv_cache, meta: AttentionMetadata, block_size: int, s
     pages = kv_cache[0].view(-1, block_size, kv_cache[0].shape[1], padded)
     if padded > d:
         q = F.pad(q, (0, padded - d))
-    if hasattr(q, "_elem"):  # a torchax tensor: the jax runtime
+    if is_torchax_tensor(q):
         out = _jax_ragged_attention(q, pages, meta, scale, sliding_window, soft_cap)
         return out[..., :d].reshape(t, h * d)
     from torch_xla.experimental.custom_kernel import ragged_paged_attention

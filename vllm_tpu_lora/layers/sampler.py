@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from vllm_tpu_lora.sampling_params import wrap_int64
+from vllm_tpu_lora.torchax_compat import is_torchax_tensor
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _SAMPLING_EPS = 1e-5  # vLLM: temperatures below this are greedy
@@ -200,7 +201,7 @@ def _bitcast_to_int32(x: torch.Tensor) -> torch.Tensor:
     fallback (a graph break and two host transfers), so on XLA this is a registered
     BitcastConvert that stays inside the traced graph; torchax (the jax runtime) runs a
     dtype view as a reshape, so there it is JAX's bitcast."""
-    if hasattr(x, "_elem"):  # a torchax tensor
+    if is_torchax_tensor(x):
         import jax
         from torchax import interop
 

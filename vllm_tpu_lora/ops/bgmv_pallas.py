@@ -30,6 +30,7 @@ from vllm_tpu_lora.ops.pallas_kernels import (  # noqa: F401  (re-exported for c
     shrink_pallas_call,
     traced_without_x64,
 )
+from vllm_tpu_lora.torchax_compat import is_torchax_tensor
 
 
 def default_interpret() -> bool:
@@ -55,13 +56,9 @@ def _matmul_precision() -> str:
     return torch_xla.backends.get_mat_mul_precision()
 
 
-def _is_torchax(t: torch.Tensor) -> bool:
-    return hasattr(t, "_elem")  # a torchax tensor: the jax runtime
-
-
 def _run_kernel(kernel, op, static: dict, *tensors):
     """The kernel on these tensors: natively on the jax runtime, else the custom op."""
-    if _is_torchax(tensors[0]):
+    if is_torchax_tensor(tensors[0]):
         from torchax import interop
 
         fn = _bound(kernel, **static, precision=jax_matmul_precision())

@@ -70,14 +70,10 @@ PRECISIONS = {
 }
 
 
-def _x64_context(on: bool):
-    # jax >= 0.8: jax.enable_x64 (a config state, callable as a context manager).
-    return (jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64)(on)
-
-
 def x64(on: bool = True):
-    """A context with JAX's 64-bit types on (or off) for what is traced or run inside."""
-    return _x64_context(on)
+    """A context with JAX's 64-bit types on (or off) for what is traced or run inside
+    (jax >= 0.8: jax.enable_x64, a config state callable as a context manager)."""
+    return (jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64)(on)
 
 
 def traced_without_x64(fn):
@@ -86,7 +82,7 @@ def traced_without_x64(fn):
     x64 a Pallas kernel's Python-int constants and grid indices become int64 ("Bad lhs
     type", an index map returning i64, lax.div of int32 by int64)."""
     def call(*args, **kwargs):
-        with _x64_context(False):
+        with x64(False):
             return fn(*args, **kwargs)
     return call
 

@@ -15,7 +15,7 @@ the LoRA buffers) is donated: XLA updates it in place instead of copying it.
 
 Integers: the step's packed inputs, seeds and the sampler's hash are int64, which JAX
 truncates to int32 unless x64 is on. It is turned on around this runtime's own traces,
-calls and transfers only (`_x64`), not for the process, so other JAX users (torch_xla's
+calls and transfers only (`x64`), not for the process, so other JAX users (torch_xla's
 Pallas bridge in the same process) keep JAX's defaults.
 """
 
@@ -34,10 +34,8 @@ from torch.utils import _pytree as pytree
 
 from vllm_tpu_lora import platform
 from vllm_tpu_lora.ops.pallas_kernels import jax_matmul_precision, x64
-from vllm_tpu_lora.runner.lazy_capture import FixedTensors
+from vllm_tpu_lora.runner.lazy_capture import split_args
 from vllm_tpu_lora.torchax_compat import import_torchax
-
-_x64 = x64
 
 # XLA compilations in this process, from JAX's own compile events (one per executable
 # built, whether by a captured graph, an eager op or a transfer helper).
@@ -94,7 +92,7 @@ class JaxRuntime:
     def to_device(self, x) -> torch.Tensor:
         """A numpy array or CPU torch tensor, on the device."""
         host = x if isinstance(x, np.ndarray) else host_array(x)
-        with _x64(True):
+        with x64(True):
             return self.wrap(jax.device_put(host, self.jax_device))
 
     def to_host(self, t: torch.Tensor) -> np.ndarray:
@@ -103,7 +101,7 @@ class JaxRuntime:
     def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
         from torchax.ops import mappings
 
-        with _x64(True), jax.default_device(self.jax_device):
+        with x64(True), jax.default_device(self.jax_device):
             return self.wrap(jnp.zeros(shape, mappings.t2j_dtype(dtype)))
 
     def move_module(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -120,7 +118,7 @@ class JaxRuntime:
         return model
 
     def zero_(self, tensors: list[torch.Tensor]) -> None:
-        with _x64(True):
+        with x64(True):
             for t in tensors:
                 t._elem = jnp.zeros_like(t._elem)
 
@@ -132,7 +130,7 @@ class JaxRuntime:
     def eager(self, fn):
         """fn run op by op (enforce_eager): each torch op a jax op, dispatched at once."""
         def run(*args):
-            with _x64(True), self.env:
+            with x64(True), self.env:
                 return fn(*args)
         return run
 
@@ -185,22 +183,11 @@ class JaxGraphCapture:
         graphs: dict[Any, _Graph] = {}
 
         def run(*args):
-            leaves, spec = pytree.tree_flatten(args)
-            tensors, state, key_parts = [], [], []
-            for x in leaves:
-                if isinstance(x, torch.Tensor):
-                    tensors.append(x)
-                    key_parts.append((tuple(x.shape), x.dtype))
-                elif isinstance(x, FixedTensors):
-                    state.extend(x.tensors)
-                    key_parts.append(x.key)
-                else:
-                    key_parts.append(x)
-            key = (spec, tuple(key_parts))
+            tensors, state, key = split_args(args)
             graph = graphs.get(key)
             if graph is None:
                 graph = graphs[key] = self._capture(fn, args, tensors, state)
-            with _x64(True):
+            with x64(True):
                 outs, new_state = graph.jitted([t._elem for t in tensors],
                                                [t._elem for t in state], graph.weights)
             for t, a in zip(state, new_state):
@@ -238,7 +225,7 @@ class JaxGraphCapture:
         weight_arrays = [w._elem for w in weights]
         # Traced and compiled ahead of time: the executable is called as it is, so a call
         # whose shapes differ fails instead of silently compiling another graph.
-        with _x64(True):
+        with x64(True):
             compiled = jax.jit(pure, donate_argnums=(1,)).lower(
                 [t._elem for t in tensors], [t._elem for t in state], weight_arrays).compile()
         return _Graph(compiled, weight_arrays, out_spec[0])

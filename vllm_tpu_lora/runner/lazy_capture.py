@@ -61,6 +61,24 @@ class FixedTensors:
         self.key = (FixedTensors, spec, tuple((tuple(t.shape), t.dtype) for t in self.tensors))
 
 
+def split_args(args: tuple) -> tuple[list, list, tuple]:
+    """A call's arguments as (tensor args, the tensors of its FixedTensors, graph key):
+    the key is the pytree structure, each tensor's shape and dtype, each FixedTensors' key
+    and the non-tensor leaves (both captures key their graphs this way)."""
+    leaves, spec = pytree.tree_flatten(args)
+    tensors, fixed, key_parts = [], [], []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            key_parts.append((tuple(x.shape), x.dtype))
+        elif isinstance(x, FixedTensors):
+            fixed.extend(x.tensors)
+            key_parts.append(x.key)
+        else:
+            key_parts.append(x)
+    return tensors, fixed, (spec, tuple(key_parts))
+
+
 class LazyGraphCapture:
     def __init__(self) -> None:
         self.captures = 0  # every trace: first captures and later ones alike
@@ -69,18 +87,8 @@ class LazyGraphCapture:
         graphs: dict[Any, _Graph] = {}
 
         def run(*args):
-            leaves, spec = pytree.tree_flatten(args)
-            tensors, key_parts = [], []
-            for x in leaves:
-                if isinstance(x, torch.Tensor):
-                    tensors.append(x)
-                    key_parts.append((tuple(x.shape), x.dtype))
-                elif isinstance(x, FixedTensors):
-                    tensors.extend(x.tensors)
-                    key_parts.append(x.key)
-                else:
-                    key_parts.append(x)
-            key = (spec, tuple(key_parts))
+            tensors, fixed, key = split_args(args)
+            tensors += fixed  # in-place updates of either are replayed alike
             graph = graphs.get(key)
             if graph is None:
                 graph = graphs[key] = self._capture(fn, args, tensors)

@@ -13,15 +13,11 @@ preparation, bucket keys, the LoRA manager and the sampler's math are the runner
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from vllm_tpu_lora import platform
 from vllm_tpu_lora.config import RUNTIMES
-
-logger = logging.getLogger(__name__)
 
 
 def resolve_runtime(name: str = "auto") -> str:
