@@ -82,7 +82,7 @@ def traced_without_x64(fn):
     x64 a Pallas kernel's Python-int constants and grid indices become int64 ("Bad lhs
     type", an index map returning i64, lax.div of int32 by int64)."""
     def call(*args, **kwargs):
-        with x64(False):
+        with x64(False), jax.default_matmul_precision("default"):
             return fn(*args, **kwargs)
     return call
 
