@@ -80,7 +80,10 @@ def traced_without_x64(fn):
     """fn traced with JAX's 32-bit defaults, also inside an x64 trace (the jax runtime's
     graphs, whose int64 step inputs need x64): Mosaic takes no 64-bit scalars, and under
     x64 a Pallas kernel's Python-int constants and grid indices become int64 ("Bad lhs
-    type", an index map returning i64, lax.div of int32 by int64)."""
+    type", an index map returning i64, lax.div of int32 by int64). Also at JAX's default
+    matmul precision: with "highest" set for the process (float32 parity runs) Mosaic
+    refused every bfloat16 dot in a kernel ("Bad lhs type", seen on a v5e); the LoRA
+    kernels pass their own precision explicitly."""
     def call(*args, **kwargs):
         with x64(False), jax.default_matmul_precision("default"):
             return fn(*args, **kwargs)
