@@ -146,7 +146,8 @@ def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out)
     rows = []
     for n in [0, *args.num_adapters]:
         loras = [reqs[i % n] for i in range(len(work))] if n else None
-        serving_row(llm, work[: args.max_num_seqs], loras, args.max_num_seqs)  # warm slots
+        serving_row(llm, work[: args.max_num_seqs], loras and loras[: args.max_num_seqs],
+                    args.max_num_seqs)  # warm slots
         ser = timed_generate(llm, work, lora_request=loras)
         row = {"row": "engine_run", "runtime": runtime, "adapters": n,
                **{k: ser[k] for k in ("output_tokens_per_s", "ms_per_step", "device_ms_per_step",

@@ -72,6 +72,10 @@ def _attention(metadata: tuple):
     return reference
 
 
+def _pad_last(x, n: int):
+    return x if x.shape[-1] == n else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+
+
 def build_anchor(model, contexts: list[int], page_size: int):
     """(step, pages, inputs): `step(pages, *inputs) -> (token ids, pages)`, jitted with
     the pages donated, for a decode step of len(contexts) sequences."""
@@ -81,7 +85,9 @@ def build_anchor(model, contexts: list[int], page_size: int):
     pages_per_seq = -(-max(contexts) // page_size) + 1
     num_pages = b * pages_per_seq + 1
     dtype = w["embed"].dtype
-    pages = [jnp.zeros((num_pages, page_size, 2 * kvh, hd), dtype) for _ in w["layers"]]
+    # The kernel wants head_dim % 128 == 0: pages and queries zero-padded as the engine's.
+    hp = -(-hd // 128) * 128
+    pages = [jnp.zeros((num_pages, page_size, 2 * kvh, hp), dtype) for _ in w["layers"]]
     kv_lens = np.asarray(contexts, np.int32)
     page_indices = (1 + np.arange(b * pages_per_seq, dtype=np.int32)).reshape(b, pages_per_seq)
     pos = kv_lens - 1
@@ -102,10 +108,11 @@ def build_anchor(model, contexts: list[int], page_size: int):
             q = _rope(qkv[:, :nh * hd].reshape(b, nh, hd), pos, w["inv_freq"])
             k = _rope(qkv[:, nh * hd:(nh + kvh) * hd].reshape(b, kvh, hd), pos, w["inv_freq"])
             v = qkv[:, (nh + kvh) * hd:].reshape(b, kvh, hd)
-            kv = jnp.stack([k, v], 2).reshape(b, 2 * kvh, hd)
-            pg = pg.reshape(-1, 2 * kvh, hd).at[slots].set(kv).reshape(pg.shape)
+            kv = _pad_last(jnp.stack([k, v], 2).reshape(b, 2 * kvh, hd), hp)
+            pg = pg.reshape(-1, 2 * kvh, hp).at[slots].set(kv).reshape(pg.shape)
             new_pages.append(pg)
-            a = attention(q, pg, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=scale)
+            a = attention(_pad_last(q, hp), pg, kv_lens, page_indices, cu_q_lens, num_seqs,
+                          sm_scale=scale)[..., :hd]
             x = x + a.reshape(b, nh * hd) @ lw["o"]
             g, u = jnp.split(_rms(x, lw["ln2"]) @ lw["gu"], 2, -1)
             x = x + (jax.nn.silu(g) * u) @ lw["down"]

@@ -106,3 +106,27 @@ def test_tpu_kernel_inputs_mean_the_cpu_attention(ragged_reference, monkeypatch,
     off = attention.paged_attention_tpu(q, combined, meta, BLOCK, scale, window, soft_cap)
     rows = slice(int(a.cu_q_lens[2]), int(a.cu_q_lens[3]))
     assert not torch.allclose(off[rows], cpu[rows], atol=1e-3)
+
+
+@pytest.mark.parametrize("which", ["warm-up (all padding)", "mixed step"])
+def test_every_step_keeps_the_kernels_prefetch_chain(which):
+    """The TPU kernel copies each sequence's next KV page before computing the current
+    one, starting with sequence 0 before its loop: every sequence it is told about must
+    consume its copies (at least one KV row, no more query rows than KV rows, its pages in
+    its table), and there must be at least one, or a copy is left in flight and the chip
+    halts. The warm-up's all-padding step once had num_seqs 0 and halted the v5e."""
+    scheduled = [] if which.startswith("warm") else _step(np.random.default_rng(1))
+    n_tok = sum(s.num_tokens for s in scheduled)
+    a = prepare_step(scheduled, 32, MAX_SEQS, MAX_BLOCKS, BLOCK, {}, None, MAX_SEQS,
+                     kv_window_blocks(scheduled, BLOCK))
+    n = int(a.num_seqs[0])
+    assert n == max(1, len(scheduled)) and a.num_seqs_real == len(scheduled)
+    q_lens = np.diff(a.cu_q_lens[:n + 1])
+    kv_lens = a.seq_kv_lens[:n]
+    assert (kv_lens >= 1).all() and (q_lens >= 1).all() and (q_lens <= kv_lens).all()
+    assert a.cu_q_lens[n] <= 32 and (np.diff(a.cu_q_lens) >= 0).all()
+    assert (-(-kv_lens // BLOCK) <= a.seq_block_tables.shape[1]).all()
+    if scheduled:
+        assert a.cu_q_lens[n] == n_tok
+    else:  # the phantom sequence reads the null block only
+        assert (a.seq_block_tables == NULL_BLOCK).all()

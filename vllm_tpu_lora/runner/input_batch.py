@@ -161,4 +161,11 @@ def prepare_step(scheduled: list[ScheduledSeq], t_bucket: int, r_bucket: int,
         cursor += n
     a["cu_q_lens"][len(scheduled) + 1:] = cursor
     a["num_seqs"][0] = len(scheduled)
+    if not scheduled:
+        # The all-padding step (warm-up) gets one phantom sequence: padding row 0 over
+        # the null block's first slot. The TPU's ragged kernel starts copying the first
+        # sequence's first KV page before its loop; with no sequence to wait on that copy
+        # the kernel ends with a DMA in flight and the chip halts ("The program
+        # continuator has halted unexpectedly", seen on the v5e).
+        a["seq_kv_lens"][0], a["cu_q_lens"][1:], a["num_seqs"][0] = 1, 1, 1
     return StepArrays(**a, num_tokens=cursor, num_seqs_real=len(scheduled))
