@@ -80,7 +80,7 @@ def build_anchor(model, contexts: list[int], page_size: int):
     """(step, pages, inputs): `step(pages, *inputs) -> (token ids, pages)`, jitted with
     the pages donated, for a decode step of len(contexts) sequences."""
     w = _weights(model)
-    nh, kvh, hd, scale = w["dims"]
+    nh, kvh, hd, scale = w.pop("dims")
     b = len(contexts)
     pages_per_seq = -(-max(contexts) // page_size) + 1
     num_pages = b * pages_per_seq + 1
@@ -99,7 +99,9 @@ def build_anchor(model, contexts: list[int], page_size: int):
     attention = _attention((kv_lens, page_indices, np.arange(b + 1, dtype=np.int32),
                             np.asarray([b], np.int32)))
 
-    def step(pages, tok, pos, kv_lens, page_indices, cu_q_lens, num_seqs, slots):
+    # Weights are arguments, as the engine's graphs take them: closed over, they became
+    # 3 GB of constants baked into the executable.
+    def step(w, pages, tok, pos, kv_lens, page_indices, cu_q_lens, num_seqs, slots):
         x = w["embed"][tok]
         new_pages = []
         for lw, pg in zip(w["layers"], pages):
@@ -119,4 +121,5 @@ def build_anchor(model, contexts: list[int], page_size: int):
         logits = (_rms(x, w["norm"]) @ w["head"]).astype(jnp.float32)
         return jnp.argmax(logits, -1), new_pages
 
-    return jax.jit(step, donate_argnums=(0,)), pages, inputs
+    jitted = jax.jit(step, donate_argnums=(1,))
+    return (lambda pages, *args: jitted(w, pages, *args)), pages, inputs
