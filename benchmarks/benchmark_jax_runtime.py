@@ -5,12 +5,15 @@ Model: a random Llama with Llama-3.2-1B's shape (hidden 2048, intermediate 8192,
 layers, 32 / 8 heads, vocab 128256), bf16. Workload: 64 requests, prompts of 128-512
 tokens, 128 greedy new tokens, max_num_seqs 32. One engine per runtime (LoRA enabled,
 max_loras = the largest adapter count, rank 16 on all seven linears) serves the base
-model and N distinct adapters in turn. Rows per (runtime, adapters):
-  - `serialized`: step_timing's split of a step into device and host ms (every graph
-    waited for: device = the waits, host = the rest);
-  - `serving`: the same run without waits, as the engine serves: throughput and the
-    median wall time of the decode steps that ran the full batch;
-and one `anchor` row: the same weights and batch in a hand-written jax.jit decode step
+model and N distinct adapters in turn. An `engine_run` row per (runtime, adapters):
+  - `serialized`: step_timing's split of a step into device and host ms (synchronous,
+    every graph waited for: device = the waits, host = the rest), and the device ms of
+    a full-batch decode step;
+  - `serving_sync` / `serving_async`: the same run as the engine serves, with async
+    scheduling off and on: throughput and the median wall time of the steps that
+    launched a full-batch decode; `async_host_visible_ms`: that wall time minus the
+    decode step's device ms (host work the device waited for);
+then `lora_vs_base` per mode, and one `anchor` row: the same weights and batch in a hand-written jax.jit decode step
 (ragged paged attention over contexts like the engine's, KV donated), median synced call.
 
     python benchmarks/benchmark_jax_runtime.py --out docs/results/jax_runtime.jsonl  # TPU
@@ -51,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     default_runtimes = ["jax"] + (["torch_xla"] if platform.torch_xla_available() else [])
     p.add_argument("--runtimes", nargs="+", default=default_runtimes)
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the random model's dtype (--small: float32)")
     p.add_argument("--anchor-calls", type=int, default=30)
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
     args = apply_small(p.parse_args())
@@ -76,39 +81,48 @@ def make_model(args, out_dir: str) -> str:
                            num_heads=args.heads, num_kv_heads=args.kv_heads,
                            intermediate_size=args.intermediate, vocab_size=args.vocab,
                            max_position_embeddings=2048, seed=args.seed,
-                           dtype=torch.float32 if args.small else torch.bfloat16,
+                           dtype=torch.float32 if args.small else getattr(torch, args.model_dtype),
                            initializer_range=0.02, tokenizer_vocab_size=min(args.vocab, 8192))
 
 
 class StepClock:
-    """Wall time of each engine step, and whether it was a decode step of the full batch."""
+    """Wall time of each engine step that launched a decode of the full batch, and the
+    time the host waited for the device in it (all of the device time when every graph
+    is waited for: serialize_graphs)."""
 
     def __init__(self, engine, batch: int) -> None:
-        self.engine, self.batch, self.decode_ms = engine, batch, []
-        runner, step = engine.runner, engine.step
-        execute = runner.execute
+        self.engine, self.batch = engine, batch
+        self.decode_ms, self.device_ms = [], []
+        runner, step, rt = engine.runner, engine.step, engine.runtime
+        launch = runner.launch
         self.full_decode = False
 
-        def timed_execute(scheduled, want_top):
+        def timed_launch(scheduled, want_top):
             self.full_decode = (len(scheduled) == batch
                                 and all(s.num_tokens == 1 for s in scheduled))
-            return execute(scheduled, want_top)
+            return launch(scheduled, want_top)
 
         def timed_step():
             self.full_decode = False
-            t0 = time.perf_counter()
+            waited0, t0 = rt.execution_stats()[1], time.perf_counter()
             out = step()
             if self.full_decode:
                 self.decode_ms.append(1e3 * (time.perf_counter() - t0))
+                self.device_ms.append((rt.execution_stats()[1] - waited0) / 1e6)
             return out
 
-        runner.execute, engine.step = timed_execute, timed_step
+        runner.launch, engine.step = timed_launch, timed_step
 
     def close(self) -> None:
-        del self.engine.runner.execute, self.engine.step
+        del self.engine.runner.launch, self.engine.step
+
+    def median(self, which: str) -> float | None:
+        values = getattr(self, which)
+        return statistics.median(values) if values else None
 
 
 def serving_row(llm, work, loras, batch: int) -> dict:
+    """A generate run as the engine serves (nothing waited for but the results)."""
     from vllm_tpu_lora import SamplingParams
 
     clock = StepClock(llm.llm_engine, batch)
@@ -121,12 +135,29 @@ def serving_row(llm, work, loras, batch: int) -> dict:
         clock.close()
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"output_tokens_per_s": n_out / elapsed, "elapsed_s": elapsed,
-            "full_decode_steps": len(clock.decode_ms),
-            "decode_step_ms": statistics.median(clock.decode_ms) if clock.decode_ms else None}
+    return {"async_scheduling": llm.llm_engine.async_scheduling,
+            "output_tokens_per_s": n_out / elapsed, "elapsed_s": elapsed,
+            "full_decode_steps": len(clock.decode_ms), "decode_step_ms": clock.median("decode_ms")}
+
+
+def serialized_row(llm, work, loras, batch: int) -> dict:
+    """step_timing's split of the run's steps into device and host ms (synchronous
+    scheduling, every graph waited for), and the device ms of a full-batch decode step."""
+    clock = StepClock(llm.llm_engine, batch)
+    try:
+        ser = timed_generate(llm, work, lora_request=loras)
+    finally:
+        clock.close()
+    return {**{k: ser[k] for k in ("output_tokens_per_s", "ms_per_step", "device_ms_per_step",
+                                   "host_ms_per_step", "steps")},
+            "decode_step_ms": clock.median("decode_ms"),
+            "decode_device_ms": clock.median("device_ms")}
 
 
 def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out) -> list[dict]:
+    """Per adapter count: the serialized split (sync), then serving with async scheduling
+    off and on. Host time visible in an async decode step = its wall time minus the
+    device time of a decode step (from the serialized run)."""
     from vllm_tpu_lora import LLM, LoRARequest
 
     t0 = time.perf_counter()
@@ -136,38 +167,46 @@ def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out)
               enable_lora=True, max_loras=max(args.num_adapters), max_lora_rank=args.rank,
               lora_backend=args.lora_backend, enable_prefix_caching=False,
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30))
-    stats = llm.llm_engine.stats()
+    engine = llm.llm_engine
+    stats = engine.stats()
     emit({"row": "engine", "runtime": runtime, "startup_s": time.perf_counter() - t0,
           "num_graphs": stats["num_graphs"], "warmup_s": stats["warmup_seconds"],
-          "device": stats["device"], "lora_backend": llm.llm_engine.runner.punica.backend}, out)
+          "device": stats["device"], "lora_backend": engine.runner.punica.backend}, out)
     reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
     for r in reqs:  # read into the host cache now: the timed runs measure serving
-        llm.llm_engine.add_lora(r)
+        engine.add_lora(r)
     rows = []
     for n in [0, *args.num_adapters]:
         loras = [reqs[i % n] for i in range(len(work))] if n else None
         serving_row(llm, work[: args.max_num_seqs], loras and loras[: args.max_num_seqs],
                     args.max_num_seqs)  # warm slots
-        ser = timed_generate(llm, work, lora_request=loras)
-        row = {"row": "engine_run", "runtime": runtime, "adapters": n,
-               **{k: ser[k] for k in ("output_tokens_per_s", "ms_per_step", "device_ms_per_step",
-                                      "host_ms_per_step", "steps")},
-               "serving": serving_row(llm, work, loras, args.max_num_seqs),
-               "compilations_after_warmup":
-                   llm.llm_engine.stats()["compilations_after_warmup"]}
+        engine.async_scheduling = False
+        ser = serialized_row(llm, work, loras, args.max_num_seqs)
+        sync = serving_row(llm, work, loras, args.max_num_seqs)
+        engine.async_scheduling = True
+        asyn = serving_row(llm, work, loras, args.max_num_seqs)
+        row = {"row": "engine_run", "runtime": runtime, "adapters": n, "serialized": ser,
+               "serving_sync": sync, "serving_async": asyn,
+               "compilations_after_warmup": engine.stats()["compilations_after_warmup"]}
+        if asyn["decode_step_ms"] and ser["decode_device_ms"]:
+            visible = asyn["decode_step_ms"] - ser["decode_device_ms"]
+            row["async_host_visible_ms"] = visible
+            row["async_host_visible_frac"] = visible / asyn["decode_step_ms"]
+        row["async_vs_sync_throughput"] = (asyn["output_tokens_per_s"]
+                                           / sync["output_tokens_per_s"])
         emit(row, out)
         rows.append(row)
-    base = rows[0]["serving"]["output_tokens_per_s"]
-    for row in rows[1:]:
-        emit({"row": "lora_vs_base", "runtime": runtime, "adapters": row["adapters"],
-              "throughput_ratio": row["serving"]["output_tokens_per_s"] / base}, out)
+    for mode in ("serving_sync", "serving_async"):
+        base = rows[0][mode]["output_tokens_per_s"]
+        for row in rows[1:]:
+            emit({"row": "lora_vs_base", "runtime": runtime, "adapters": row["adapters"],
+                  "mode": mode, "throughput_ratio": row[mode]["output_tokens_per_s"] / base}, out)
     anchor = anchor_row(llm, work, args)
     emit(anchor, out)
-    if anchor["ms"] and rows[0]["serving"]["decode_step_ms"]:
-        emit({"row": "decode_vs_anchor", "runtime": runtime,
-              "engine_decode_step_ms": rows[0]["serving"]["decode_step_ms"],
-              "anchor_ms": anchor["ms"],
-              "ratio": rows[0]["serving"]["decode_step_ms"] / anchor["ms"]}, out)
+    decode = rows[0]["serving_async"]["decode_step_ms"]
+    if anchor["ms"] and decode:
+        emit({"row": "decode_vs_anchor", "runtime": runtime, "engine_decode_step_ms": decode,
+              "anchor_ms": anchor["ms"], "ratio": decode / anchor["ms"]}, out)
     return rows
 
 

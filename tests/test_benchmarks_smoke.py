@@ -131,7 +131,7 @@ def test_step_host_cost_small_counts_the_transfers():
 
     rows = step_host_cost.main(["--layers", "2", "--calls", "5"])
     moves = rows[0]
-    assert moves["per_array_transfers"] == 15 and moves["packed_transfers"] == 2, moves
+    assert moves["per_array_transfers"] == 16 and moves["packed_transfers"] == 2, moves
     call = rows[1]
     assert call["layers"] == 2 and call["graph_inputs"] == 33
     assert min(moves["per_array_us"], moves["packed_us"], call["walked_us"],

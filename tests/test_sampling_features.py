@@ -129,7 +129,7 @@ def test_all_greedy_steps_use_the_greedy_graph_and_match_the_full_sampler(llama_
     real = runner._sample_graph
 
     def spy(*args):
-        calls.append(args[-1])  # the graph's `greedy` key
+        calls.append(args[-2])  # the graph's `greedy` key (then last_tokens)
         return real(*args)
 
     prompts = ["The cat looks at the lazy fox", "Once upon a time", "a b c d e f g"]

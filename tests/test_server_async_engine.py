@@ -57,15 +57,15 @@ def test_concurrent_generate_matches_offline(engine, llama_llm):
 
 
 def test_step_error_fails_its_requests_and_the_loop_keeps_serving(engine, monkeypatch):
-    real_execute, calls = engine.runner.execute, []
+    real_launch, calls = engine.runner.launch, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected device failure")
-        return real_execute(*args, **kwargs)
+        return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.runner, "launch", flaky)
     params = SamplingParams(temperature=0.0, max_tokens=6)
 
     async def body(aeng):

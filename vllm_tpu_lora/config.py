@@ -121,6 +121,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
     max_model_len: int = 2048
+    async_scheduling: bool = True  # off with enforce_eager (engine/llm_engine.py)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -221,6 +222,9 @@ class EngineArgs:
     precompile: bool = True
     enforce_eager: bool = False
     runtime: str = "auto"
+    # Schedule and prepare step N+1 while the device runs step N (vLLM's name); off
+    # with enforce_eager.
+    async_scheduling: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -269,6 +273,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=batched,
                 max_model_len=max_len,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             lora_config=lora,

@@ -1,9 +1,17 @@
-"""LLMEngine: add requests, step() until done. The whole loop is schedule -> run -> update."""
+"""LLMEngine: add requests, step() until done. The whole loop is schedule -> run -> update.
+
+With async scheduling (on by default, off with enforce_eager) a step() schedules and
+launches step N+1 before it collects step N: the host's scheduling, input preparation,
+LoRA slot planning and transfers for N+1 run while the device computes N, and N's output
+processing (detokenizing, stop checks) while it computes N+1. Tokens N samples reach N+1
+on the device (runner/model_runner.py); sequences N stops have their N+1 rows dropped.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,13 +27,13 @@ from vllm_tpu_lora.engine.output_processor import (
     check_stop,
     make_request_output,
 )
-from vllm_tpu_lora.engine.scheduler import Scheduler
+from vllm_tpu_lora.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_tpu_lora.engine.sequence import Sequence, SequenceStatus
 from vllm_tpu_lora.lora.request import LoRARequest
 from vllm_tpu_lora.models.loader import load_model, resolve_dtype
 from vllm_tpu_lora.outputs import RequestOutput
 from vllm_tpu_lora.parallel import TensorParallel
-from vllm_tpu_lora.runner.model_runner import ModelRunner
+from vllm_tpu_lora.runner.model_runner import LaunchedStep, ModelRunner
 from vllm_tpu_lora.runner.runtime import make_runtime, resolve_runtime
 from vllm_tpu_lora.sampling_params import SamplingParams, wrap_int64
 
@@ -67,7 +75,8 @@ class LLMEngine:
         lc = config.lora_config
         self.lora_manager, punica = self._setup_lora(model, dtype) if lc else (None, None)
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
-                                   loras=self.lora_manager)
+                                   loras=self.lora_manager, max_model_len=self.max_model_len)
+        self.async_scheduling = sc.async_scheduling and not mc.enforce_eager
         self.runner = ModelRunner(
             model, num_layers=num_layers, kv_cache_shapes=model.kv_cache_shapes(num_blocks * cc.block_size),
             kv_dtype=dtype, block_size=cc.block_size, max_model_len=self.max_model_len,
@@ -80,6 +89,8 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self._counter = itertools.count()
         self.num_steps = 0
+        # The launched step whose results are not collected yet (async scheduling).
+        self._in_flight: _InFlight | None = None
 
     def _setup_lora(self, model, dtype):
         """Wrap the model's linears with LoRA layers (from outside: the model stays plain)."""
@@ -283,6 +294,8 @@ class LLMEngine:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight once every request has finished holds only rows to drop:
+        # the next step() collects it.
         return bool(self._requests)
 
     def get_num_unfinished_requests(self) -> int:
@@ -295,7 +308,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         failed = self._advance_lora_loads() if self.lora_manager is not None else []
-        if self.lora_manager is not None and self.scheduler.waiting and not self.scheduler.running:
+        if (self.lora_manager is not None and self.scheduler.waiting and not self.scheduler.running
+                and self._in_flight is None):
             # An idle engine facing a burst of requests for adapters on disk: admitting each
             # as its read lands starts the burst as a trickle of small prefill steps, and the
             # staggered finishes keep every later step small too. Let the reads in flight
@@ -303,21 +317,53 @@ class LLMEngine:
             self.lora_manager.registry.wait_for_loads(_BURST_WAIT_S, every=True)
             failed += self._advance_lora_loads()
         out = self.scheduler.schedule()
-        if not out.scheduled:
+        previous, launched = self._in_flight, None
+        if out.scheduled:
+            launched = self._launch(out, previous)
+        self._in_flight = launched if self.async_scheduling else None
+        outputs = self._collect(previous) if previous is not None else []
+        if launched is not None and not self.async_scheduling:
+            outputs += self._collect(launched)
+        if not out.scheduled and previous is None:
             if self.lora_manager is not None and self.scheduler.waiting:
                 self.lora_manager.registry.wait_for_loads(_LOAD_WAIT_S)  # don't spin on the GIL
-            return failed
+        return failed + outputs
+
+    def _launch(self, out: SchedulerOutput, previous: _InFlight | None) -> _InFlight:
+        """Launch a scheduled step; its sequences' sampled tokens become pending."""
+        for s in out.scheduled:
+            if s.seq.num_pending_tokens:  # its last input is sampled by `previous`
+                s.prev_row = previous.rows[s.seq.seq_id]
         # Top logprobs cost the sampler a topk (and keep the step off the greedy graph);
         # logprobs=0 needs only the sampled token's logprob and rank, which every step has.
         want_top = any((s.seq.params.logprobs or 0) > 0 for s in out.scheduled)
-        result = self.runner.execute(out.scheduled, want_top)
+        launched = self.runner.launch(out.scheduled, want_top)
         self.scheduler.update(out)
+        for s in out.scheduled:
+            s.seq.num_pending_tokens += s.samples
         self.num_steps += 1
+        return _InFlight(out, launched, {s.seq.seq_id: i for i, s in enumerate(out.scheduled)})
+
+    def _collect(self, step: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step; append its tokens, apply stop conditions, build the
+        outputs. Rows of sequences that stopped (or were aborted) since it was scheduled
+        are dropped: nothing is emitted past a stop."""
+        try:
+            result = self.runner.collect(step.launched)
+        except Exception:
+            # Its tokens never arrive: nothing may wait for them (the caller aborts the
+            # requests that were running).
+            for s in step.out.scheduled:
+                s.seq.num_pending_tokens -= s.samples
+            raise
         touched: dict[str, RequestState] = {}
-        for i, s in enumerate(out.scheduled):
+        for i, s in enumerate(step.out.scheduled):
             if not s.samples:
                 continue
             seq = s.seq
+            seq.num_pending_tokens -= 1
+            if seq.is_finished:
+                continue
             topk = None if result.topk_ids is None else (result.topk_ids[i].tolist(),
                                                          result.topk_logprobs[i].tolist())
             append_token(seq, int(result.token_ids[i]), float(result.logprobs[i]),
@@ -325,12 +371,14 @@ class LLMEngine:
             status = check_stop(seq, self.eos_token_id, self.max_model_len)
             if status is not None:
                 self.scheduler.finish(seq, status)
+            else:  # blocks that waited for this token to be known
+                self.scheduler.register_computed(seq)
             touched[seq.request_id] = self._requests[seq.request_id]
         outputs = [make_request_output(st) for st in touched.values()]
         for o in outputs:
             if o.finished:
                 del self._requests[o.request_id]
-        return failed + outputs
+        return outputs
 
     def _advance_lora_loads(self) -> list[RequestOutput]:
         """Harvest background adapter reads; fail the requests of adapters that could not be
@@ -392,3 +440,11 @@ class LLMEngine:
             "lora_slots_in_use": self.lora_manager.num_slots_in_use if self.lora_manager else 0,
             "lora_slot_loads": self.lora_manager.num_slot_loads if self.lora_manager else 0,
         }
+
+
+@dataclass
+class _InFlight:
+    """A launched step: what was scheduled, its device results, each sequence's row."""
+    out: SchedulerOutput
+    launched: LaunchedStep
+    rows: dict[int, int]

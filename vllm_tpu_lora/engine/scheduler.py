@@ -20,6 +20,12 @@ weights and cache_salt, and computes only the rest; the last known token is alwa
 computed, so a token can be sampled. A preempted sequence comes back the same way, often
 finding its own blocks still cached. After each step the blocks a sequence completed are
 registered for the ones that follow.
+
+Async scheduling (the engine schedules step N+1 while step N runs): a sequence that step
+N samples counts that token as pending; N+1 computes it (its id is taken on the device)
+and samples the next. A sequence whose pending token ends it by length is not scheduled
+again; one that stops otherwise (EOS, stop string, abort) has its N+1 row discarded. A
+sequence preempted with a token in flight waits until the token arrives.
 """
 
 from __future__ import annotations
@@ -42,12 +48,15 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first token position computed this step
     num_tokens: int
-    # Whether this chunk reaches the end of the known tokens, so a token is sampled.
-    # Fixed at scheduling time: the sequence grows once the step has run.
+    # Whether this chunk reaches the end of the tokens (pending included), so a token is
+    # sampled. Fixed at scheduling time: the sequence grows once the step has run.
     samples: bool = field(init=False)
+    # Async scheduling: the row of the step in flight whose sampled token is this
+    # chunk's last input (-1: every input token is known on the host).
+    prev_row: int = -1
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == self.seq.num_tokens
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens_with_pending
 
 
 @dataclass
@@ -66,10 +75,12 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_loras: int | None = None,
-                 loras=None) -> None:
+                 loras=None, max_model_len: int | None = None) -> None:
         """loras: the LoRAManager (ready/acquire/release/set_running/pinned), or None for
-        a plain cap of `max_loras` adapters."""
+        a plain cap of `max_loras` adapters. max_model_len: where a sequence stops by
+        length (needed only with tokens pending)."""
         self.blocks = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.loras = loras
@@ -104,7 +115,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._ends_with_pending(seq):
+                i += 1
+                continue
+            n = min(seq.num_tokens_with_pending - seq.num_computed_tokens, budget)
             while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim, out)
@@ -117,6 +131,17 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """The token in flight brings the sequence to max_tokens or max_model_len (the
+        length rule of check_stop): nothing more to compute for it."""
+        if not seq.num_pending_tokens:
+            return False
+        max_tokens = seq.params.max_tokens
+        return ((max_tokens is not None
+                 and seq.num_output_tokens + seq.num_pending_tokens >= max_tokens)
+                or (self.max_model_len is not None
+                    and seq.num_tokens_with_pending >= self.max_model_len))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self._set_running(seq, -1)  # keeps its reference: it resumes on the same weights
@@ -144,7 +169,9 @@ class Scheduler:
             while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                    and len(skipped) < MAX_SKIPPED_PER_STEP):
                 seq = self.waiting[0]
-                if not self._lora_ready(seq):  # its adapter is still loading: not its turn yet
+                # Its adapter still loading, or preempted with a token in flight (the
+                # host must know every token to recompute): not its turn yet.
+                if seq.num_pending_tokens or not self._lora_ready(seq):
                     skipped.append(self.waiting.popleft())
                     continue
                 if not self._lora_admissible(seq, lora_ids):
@@ -198,8 +225,12 @@ class Scheduler:
         counts[0] += seq.num_tokens
         counts[1] += hit_tokens
 
-    def _register_computed(self, seq: Sequence) -> None:
-        full = seq.num_computed_tokens // self.blocks.block_size
+    def register_computed(self, seq: Sequence) -> None:
+        """Register the full blocks a running sequence has computed whose tokens the host
+        knows (a block holding a pending token waits until the token arrives)."""
+        if not self.blocks.enable_caching or seq.status is not SequenceStatus.RUNNING:
+            return
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.blocks.block_size
         if full > seq.num_cached_blocks:
             self.blocks.register_full_blocks(seq, self._hashes(seq, full))
 
@@ -234,8 +265,7 @@ class Scheduler:
         """Account the computed tokens of a step that has run."""
         for s in out.scheduled:
             s.seq.num_computed_tokens = s.start + s.num_tokens
-            if self.blocks.enable_caching:
-                self._register_computed(s.seq)
+            self.register_computed(s.seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Stop `seq` (done or aborted) and release everything it holds."""

@@ -38,6 +38,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # Async scheduling: tokens a launched step samples that the host has not seen yet
+    # (the next step takes them on the device). At scheduling time at most 1.
+    num_pending_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     logprobs: list[dict] = field(default_factory=list)
@@ -55,6 +58,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return self.num_tokens + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -46,6 +46,9 @@ class StepArrays:
     q_block_kv_lens: np.ndarray  # [NQB, Q] keys each query sees (position + 1)
     token_out_index: np.ndarray  # [T] row of each token in the flattened [NQB * Q] output
     token_lora_idx: np.ndarray  # -1: base model / padding
+    # [T] row of the previous step's sampled tokens that is this row's input id (async
+    # scheduling: sampled there, still on the device); -1: input_ids holds it
+    prev_rows: np.ndarray
     # attention's sequence rows [S = max_num_seqs]
     seq_kv_lens: np.ndarray
     seq_block_tables: np.ndarray  # [S, MB]
@@ -88,7 +91,7 @@ def _alloc(t: int, r: int, mb: int, nqb: int, q: int, max_seqs: int,
         q_block_token_idx=np.zeros((nqb, q), np.int64),
         q_block_tables=np.full((nqb, window), NULL_BLOCK, np.int64),
         q_block_kv_lens=np.ones((nqb, q), np.int32), token_out_index=np.zeros(t, np.int64),
-        token_lora_idx=np.full(t, -1, np.int32),
+        token_lora_idx=np.full(t, -1, np.int32), prev_rows=np.full(t, -1, np.int64),
         # Attention's per-sequence rows are part of the forward graph, which is keyed by
         # (token bucket, slot bucket) only: always max_num_seqs rows.
         seq_kv_lens=np.zeros(max_seqs, np.int32),
@@ -107,8 +110,10 @@ def _sampling_row(a: dict, i: int, s: ScheduledSeq, eos_id: int | None) -> None:
     # (uncapped it raised OverflowError inside the step, failing the step's requests).
     a["temperature"][i], a["top_k"][i] = p.temperature, min(p.top_k, INT32_MAX)
     a["top_p"][i], a["min_p"][i] = p.top_p, p.min_p
-    a["seeds"][i], a["steps"][i] = seq.seed, seq.num_output_tokens
-    if seq.num_output_tokens < p.min_tokens:
+    # The output position this row samples: a token still in flight counts.
+    position = seq.num_output_tokens + seq.num_pending_tokens
+    a["seeds"][i], a["steps"][i] = seq.seed, position
+    if position < p.min_tokens:
         blocked = list(p.stop_token_ids) + ([eos_id] if eos_id is not None and not p.ignore_eos else [])
         # Only ids a token can have are blocked; one past int64 would not fit the row.
         blocked = [t for t in blocked if 0 <= t <= INT64_MAX][:MAX_BLOCKED_IDS]
@@ -148,7 +153,13 @@ def prepare_step(scheduled: list[ScheduledSeq], t_bucket: int, r_bucket: int,
         rows = slice(cursor, cursor + n)
         pos = np.arange(start, start + n)
         table = np.asarray(seq.block_ids, np.int64)
-        a["input_ids"][rows] = seq.token_ids_slice(start, start + n)
+        known = min(start + n, seq.num_tokens)
+        a["input_ids"][cursor:cursor + known - start] = seq.token_ids_slice(start, known)
+        if known < start + n:  # its last input is the token the step in flight samples
+            if s.prev_row < 0 or start + n - known != 1:
+                raise RuntimeError(f"sequence {seq.seq_id}: {start + n - known} unknown input "
+                                   f"token(s), previous-step row {s.prev_row}")
+            a["prev_rows"][cursor + n - 1] = s.prev_row
         a["positions"][rows] = pos
         a["slot_mapping"][rows] = table[pos // block_size] * block_size + pos % block_size
         a["seq_block_tables"][i, : len(table)] = table

@@ -8,6 +8,11 @@ greedy without top logprobs (vLLM's all-greedy fast path: argmax only, no filter
 or topk). Graph counts add instead of multiply.
 Inputs are prepared on the host in numpy and moved once; the sampler's results come
 back in one packed transfer.
+
+A step is launched (`launch`) and its results collected later (`collect`): with async
+scheduling the engine launches step N+1 before it collects step N. The sampler writes its
+token ids into a device buffer (`last_tokens`) that the next forward reads for the rows
+`prev_rows` names, so step N's tokens feed step N+1 without a round trip to the host.
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ class StepResult:
     ranks: np.ndarray  # [n] rank of the sampled token (1 = most likely)
     topk_ids: np.ndarray | None  # [n, K] when any sequence asked for logprobs
     topk_logprobs: np.ndarray | None
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose graphs are launched: its packed results, still on the device."""
+    packed: torch.Tensor
+    num_seqs: int
+    want_top_logprobs: bool
 
 
 class ModelRunner:
@@ -86,6 +99,8 @@ class ModelRunner:
         # Written between steps (slot loads): graph arguments, never baked-in constants.
         self._lora_buffers = FixedTensors(lora_manager.buffers if lora_manager else [])
         self._kv_args = FixedTensors(self.kv_caches)  # updated in place, never replaced
+        # The sampler's token ids of the latest step, [max_num_seqs] (async scheduling).
+        self._last_tokens = FixedTensors([self.rt.zeros((max_num_seqs,), torch.int64)])
         self._logits_buffers = lora_manager.logits_buffers if lora_manager else []
         self._neg_token_ids = self.rt.to_device(-np.arange(model.config["vocab_size"],
                                                            dtype=np.float32))
@@ -129,7 +144,7 @@ class ModelRunner:
         # A base-only graph (S = 0) reads no slot buffer: not passing them keeps them out
         # of its inputs (~56 for 4 layers x 7 linears; the replay costs per input).
         last = self._forward_graph(flats, layout, num_slots, self._kv_args,
-                                   self._lora_buffers if num_slots else [])
+                                   self._lora_buffers if num_slots else [], self._last_tokens)
         self._launched(last)
         return last
 
@@ -156,7 +171,7 @@ class ModelRunner:
                 inputs: tuple[list, PackLayout, bool]) -> torch.Tensor:
         flats, layout, greedy = inputs
         packed = self._sample_graph(last_hidden, flats, layout, self._neg_token_ids,
-                                    self._logits_buffers, greedy)
+                                    self._logits_buffers, greedy, self._last_tokens)
         self._launched(packed)
         return packed
 
@@ -167,8 +182,13 @@ class ModelRunner:
 
     # ---- public ----
 
-    @torch.no_grad()
     def execute(self, scheduled: list[ScheduledSeq], want_top_logprobs: bool) -> StepResult:
+        """Launch a step and wait for its results."""
+        return self.collect(self.launch(scheduled, want_top_logprobs))
+
+    @torch.no_grad()
+    def launch(self, scheduled: list[ScheduledSeq], want_top_logprobs: bool) -> LaunchedStep:
+        """Prepare, move and launch a step's graphs; nothing waits for the device."""
         n_tok = sum(s.num_tokens for s in scheduled)
         t_b = buckets.pick(self.token_ladder, n_tok)
         r_b = buckets.pick(self.request_ladder, len(scheduled))
@@ -191,8 +211,13 @@ class ModelRunner:
             last_hidden = self._forward(arrays, s_b)
             kind = self.punica.planned_kind if self.punica is not None else "base"
             self.forward_graph_steps[f"T{t_b}/S{s_b}/W{w_b * self.block_size}/{kind}"] += 1
-            packed = self.rt.to_host(self._sample(last_hidden, sample_inputs))
-        n = len(scheduled)
+            packed = self._sample(last_hidden, sample_inputs)
+        return LaunchedStep(packed, len(scheduled), want_top_logprobs)
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step and read its results."""
+        packed = self.rt.to_host(launched.packed)
+        n, want_top_logprobs = launched.num_seqs, launched.want_top_logprobs
         k = (packed.shape[1] - 3) // 2  # 0 from the greedy graph
         return StepResult(
             token_ids=packed[:n, 0].astype(np.int64), logprobs=packed[:n, 1],
@@ -276,7 +301,7 @@ class ModelRunner:
         self.rt.zero_([c for layer_cache in self.kv_caches for c in layer_cache])
 
 
-_INPUT_FIELDS = ("input_ids", "positions", "logits_indices")
+_INPUT_FIELDS = ("input_ids", "positions", "logits_indices", "prev_rows")
 _META_FIELDS = ("slot_mapping", "q_block_token_idx", "q_block_tables", "q_block_kv_lens",
                 "token_out_index", "seq_kv_lens", "seq_block_tables", "cu_q_lens", "num_seqs")
 
@@ -290,16 +315,20 @@ def forward_host_arrays(a: StepArrays, lora: dict[str, np.ndarray]) -> dict:
 
 def _bind_forward(model, punica):
     def model_forward(flats: list, layout: PackLayout, num_slots: int, kv: FixedTensors,
-                      lora_buffers) -> torch.Tensor:
+                      lora_buffers, last_tokens: FixedTensors) -> torch.Tensor:
         """Graph 1, per (token bucket, LoRA-slot bucket): the forward pass, ending with the
         last hidden row of each sequence [max_num_seqs, hidden]. flats / layout: the step's
         inputs, attention metadata and LoRA plan (packed_inputs). lora_buffers are read
-        through the LoRA layers; they are arguments so that slot writes are seen."""
+        through the LoRA layers; they are arguments so that slot writes are seen.
+        last_tokens: the previous step's sampled ids, input ids of the rows prev_rows names."""
         groups = unpack_arrays(flats, layout)
         inputs, meta, lora = groups["inputs"], groups["meta"], groups.get("lora", {})
+        prev = inputs["prev_rows"]
+        input_ids = torch.where(prev >= 0, last_tokens.value[0][prev.clamp(min=0)],
+                                inputs["input_ids"])
         if punica is not None:
             punica.set_step(num_slots, lora)
-        hidden = model(inputs["input_ids"], inputs["positions"], kv.value,
+        hidden = model(input_ids, inputs["positions"], kv.value,
                        AttentionMetadata(**meta))
         return hidden.index_select(0, inputs["logits_indices"])
     return model_forward
@@ -307,7 +336,7 @@ def _bind_forward(model, punica):
 
 def _bind_sample(model, punica):
     def logits_and_sample(last_hidden, flats: list, layout: PackLayout, neg_token_ids,
-                          logits_buffers, greedy: bool) -> torch.Tensor:
+                          logits_buffers, greedy: bool, last_tokens: FixedTensors) -> torch.Tensor:
         """Graph 2, per (request bucket R, greedy): logits, sampling and logprobs of the
         first R rows, packed into one float32 [R, 3 + 2K] transfer (token ids < 2**24 are
         exact; K = 0 in the greedy graph, which has no top logprobs).
@@ -332,6 +361,10 @@ def _bind_sample(model, punica):
             out = sample(logits, SamplingTensors(**st), neg_token_ids=neg_token_ids)
             token_ids, logprobs = out.sampled_token_ids, out.sampled_logprobs
             top = [out.topk_token_ids.float(), out.topk_logprobs]
+        # Kept on the device for the next step's forward (async scheduling).
+        last_tokens.value[0].index_copy_(
+            0, torch.arange(token_ids.shape[0], device=token_ids.device),
+            token_ids.to(torch.int64))
         raw = torch.log_softmax(logits, dim=-1)
         rank = (raw > logprobs[:, None]).sum(-1) + 1
         return torch.cat([token_ids[:, None].float(), logprobs[:, None], rank[:, None].float(),
