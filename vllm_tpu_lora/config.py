@@ -121,7 +121,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
     max_model_len: int = 2048
-    async_scheduling: bool = True  # off with enforce_eager (engine/llm_engine.py)
+    async_scheduling: bool | None = None  # None: on a TPU (engine/llm_engine.py)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -222,9 +222,10 @@ class EngineArgs:
     precompile: bool = True
     enforce_eager: bool = False
     runtime: str = "auto"
-    # Schedule and prepare step N+1 while the device runs step N (vLLM's name); off
-    # with enforce_eager.
-    async_scheduling: bool = True
+    # Schedule and prepare step N+1 while the device runs step N (vLLM's name). None: on
+    # a TPU, off on CPU (where host and "device" share the cores and it measured no
+    # gain, docs/async_scheduling.md); always off with enforce_eager.
+    async_scheduling: bool | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

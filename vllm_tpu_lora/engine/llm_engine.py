@@ -1,6 +1,6 @@
 """LLMEngine: add requests, step() until done. The whole loop is schedule -> run -> update.
 
-With async scheduling (on by default, off with enforce_eager) a step() schedules and
+With async scheduling (on a TPU by default, off with enforce_eager) a step() schedules and
 launches step N+1 before it collects step N: the host's scheduling, input preparation,
 LoRA slot planning and transfers for N+1 run while the device computes N, and N's output
 processing (detokenizing, stop checks) while it computes N+1. Tokens N samples reach N+1
@@ -76,7 +76,9 @@ class LLMEngine:
         self.lora_manager, punica = self._setup_lora(model, dtype) if lc else (None, None)
         self.scheduler = Scheduler(self.block_manager, sc.max_num_seqs, sc.max_num_batched_tokens,
                                    loras=self.lora_manager, max_model_len=self.max_model_len)
-        self.async_scheduling = sc.async_scheduling and not mc.enforce_eager
+        wanted = sc.async_scheduling
+        self.async_scheduling = ((platform.is_tpu() if wanted is None else wanted)
+                                 and not mc.enforce_eager)
         self.runner = ModelRunner(
             model, num_layers=num_layers, kv_cache_shapes=model.kv_cache_shapes(num_blocks * cc.block_size),
             kv_dtype=dtype, block_size=cc.block_size, max_model_len=self.max_model_len,

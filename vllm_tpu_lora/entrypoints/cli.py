@@ -34,8 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kind = _flag_type(hints[f.name])
         if "list" in str(hints[f.name]):
             parser.add_argument(flag, nargs="+", type=kind, default=f.default)
-        elif kind is None and f.default:  # on by default: --flag / --no-flag, as vLLM
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True)
+        elif kind is None and f.default is not False:  # on, or decided: --flag / --no-flag
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         elif kind is None:
             parser.add_argument(flag, action="store_true", default=f.default)
         else:
