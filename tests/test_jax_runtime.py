@@ -130,6 +130,9 @@ def test_mixed_adapter_batch_matches_peft(request, llama_dir, adapters, backend)
 # ---- 3. seeded sampling: jax == torch_xla -------------------------------------------------
 
 def test_seeded_sampling_equals_torch_xla(llama_dir, jax_llama):
+    # CI installs torch_xla; an install of the core package alone (current torch and JAX,
+    # no torch_xla) has nothing to compare with.
+    pytest.importorskip("torch_xla", reason="the torch_xla runtime is not installed")
     xla_llm = LLM(llama_dir, runtime="torch_xla", **SMALL_ENGINE)
     assert xla_llm.llm_engine.stats()["runtime"] == "torch_xla"
     rng = np.random.default_rng(21)
@@ -304,6 +307,8 @@ def test_tolerate_removed_named_overloads():
 def test_bad_runtime_arguments(llama_dir):
     with pytest.raises(ValueError, match="runtime"):
         LLM(llama_dir, runtime="nope", **SMALL_ENGINE)
-    with pytest.raises(ValueError, match="tensor_parallel_size") as err:
+    # This process started JAX with one CPU device (tensor parallel runs get more in a
+    # process of their own: tests/test_tensor_parallel_jax.py).
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) is larger than the "
+                                         r"number of CPU devices \(1\)"):
         LLM(llama_dir, runtime="jax", tensor_parallel_size=2, **SMALL_ENGINE)
-    assert "jax" in str(err.value)

@@ -124,6 +124,32 @@ def enable_persistent_cache(path: str) -> bool:
     return True
 
 
+def jax_device_count(num_devices: int) -> int:
+    """JAX's device count for tensor parallelism over `num_devices` (the jax runtime).
+    On CPU, before JAX starts its backend, the process gets `num_devices` virtual CPU
+    devices (JAX's `jax_num_cpu_devices`)."""
+    import jax
+
+    if os.environ.get("PJRT_DEVICE", "CPU") == "CPU" and not _jax_backend_started():
+        jax.config.update("jax_num_cpu_devices", num_devices)
+    count = jax.device_count()
+    kind = jax.devices()[0].platform.upper()
+    if num_devices > count:
+        hint = " (start the process with more virtual CPU devices)" if kind == "CPU" else ""
+        raise ValueError(f"tensor_parallel_size ({num_devices}) is larger than the number of "
+                         f"{kind} devices ({count}){hint}.")
+    if count % num_devices:
+        raise ValueError(f"The number of {kind} devices ({count}) must be a multiple of "
+                         f"tensor_parallel_size ({num_devices}).")
+    return count
+
+
+def _jax_backend_started() -> bool:
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
 def enable_spmd(num_devices: int) -> int:
     """Run every later XLA computation of this process as one SPMD program over all devices
     (torch_xla's `use_spmd`); return the device count. For tensor parallelism.

@@ -52,15 +52,15 @@ class LLMEngine:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         runtime = resolve_runtime(mc.runtime)
         tp_size = config.parallel_config.tensor_parallel_size
-        if runtime == "jax" and tp_size > 1:
-            raise ValueError("tensor_parallel_size > 1 runs on runtime='torch_xla' only; the "
-                             "jax runtime serves one device")
-        # Before anything else: tensor parallelism must switch XLA to SPMD before any XLA tensor.
-        self.tp = TensorParallel.create(tp_size, mc.hf_config, config.lora_config)
+        # Before anything else: tensor parallelism must switch XLA to SPMD before any XLA
+        # tensor (torch_xla), or give JAX its virtual CPU devices before it starts (jax).
+        self.tp = TensorParallel.create(tp_size, mc.hf_config, config.lora_config, runtime)
         if runtime == "torch_xla":
             platform.enable_persistent_cache(xla_cache_dir())
         # Also before the model is built: the jax runtime says which device JAX found.
         self.runtime = make_runtime(runtime)
+        if self.tp is not None and runtime == "jax":
+            self.runtime.use_mesh(self.tp.tpm.mesh)  # step inputs replicated over it
         self.max_model_len = mc.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer_path)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -114,7 +114,10 @@ class LLMEngine:
         manager = LoRAManager(model, layers, max_loras=lc.max_loras,
                               max_lora_rank=lc.max_lora_rank, max_cpu_loras=lc.max_cpu_loras,
                               dtype=lora_dtype, target_modules=lc.target_modules,
-                              one_transfer=self.tp is None, allow_bias=lc.enable_lora_bias,
+                              # torch_xla's SPMD steps are traced lazily: one eager
+                              # write per buffer there; jax captures the write like a step.
+                              one_transfer=self.tp is None or self.runtime.name == "jax",
+                              allow_bias=lc.enable_lora_bias,
                               allow_dora=lc.enable_dora)
         return manager, punica
 

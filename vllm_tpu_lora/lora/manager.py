@@ -67,9 +67,10 @@ class LoRAManager:
                  target_modules=None, one_transfer: bool = True, allow_bias: bool = False,
                  allow_dora: bool = False) -> None:
         """one_transfer: write a slot from one flat host tensor. Off under tensor
-        parallelism, where slicing a replicated flat tensor into sharded buffers made XLA
-        add collective-permutes to the slot write: there each buffer's slot image is sent
-        alone, already shaped like the buffer.
+        parallelism on torch_xla (its steps are traced lazily there; slicing a replicated
+        flat tensor into sharded buffers made XLA add collective-permutes to every write):
+        there each buffer's slot image is sent alone, already shaped like the buffer. On
+        the jax runtime the write is one captured graph under TP too.
         allow_bias / allow_dora: serve lora_bias / DoRA adapters (the layers must hold the
         matching per-slot vectors). DoRA's rescale needs each layer's base weight: a
         reference to the host copy is kept (taken before the runner moves the model)."""

@@ -1,5 +1,7 @@
-"""Tensor parallelism with XLA's SPMD partitioner (torch_xla `use_spmd`, `Mesh`,
-`mark_sharding`): no hand-written collectives, XLA inserts them from the annotations.
+"""Tensor parallelism with XLA's SPMD partitioner: no hand-written collectives, XLA
+inserts them from the annotations. On either runtime (parallel/mesh.py): torch_xla's
+SPMD mode (`use_spmd`, `mark_sharding`), or the jax runtime's `NamedSharding`s over a
+`jax.sharding.Mesh`, whose graphs are captured once and replayed like one device's.
 
 The engine and the runner call `TensorParallel` at three points (DESIGN.md §4 still
 holds: every graph is compiled at warm-up, adapter loads are data updates):
@@ -37,14 +39,20 @@ class TensorParallel:
         self.tpm = None
 
     @classmethod
-    def create(cls, size: int, hf_config: dict, lora_config=None) -> TensorParallel | None:
-        """None for size 1; else validate, enable SPMD and build the meshes."""
+    def create(cls, size: int, hf_config: dict, lora_config=None,
+               runtime: str = "torch_xla") -> TensorParallel | None:
+        """None for size 1; else validate and build the mesh (torch_xla: enable SPMD)."""
         if size == 1:
             return None
         tp = cls(size, hf_config, lora_config)
-        from vllm_tpu_lora.parallel.mesh import TPMesh
+        if runtime == "jax":
+            from vllm_tpu_lora.parallel.mesh import JaxTPMesh
 
-        tp.tpm = TPMesh(size, platform.enable_spmd(size))
+            tp.tpm = JaxTPMesh(size, platform.jax_device_count(size), tp.kv_groups)
+        else:
+            from vllm_tpu_lora.parallel.mesh import XlaTPMesh
+
+            tp.tpm = XlaTPMesh(size, platform.enable_spmd(size))
         return tp
 
     @staticmethod

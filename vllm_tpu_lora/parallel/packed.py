@@ -12,7 +12,8 @@ The approach, in two steps:
    model has fewer kv heads than devices, k_i / v_i is the kv head that device i's
    query heads use, so those columns appear once per device that needs them.
 2. In the forward pass the device-local output block is split into its slices inside a
-   manual-sharding region (torch_xla's enable/disable_manual_sharding, i.e. shard_map),
+   manual-sharding region (the mesh's `manual`: torch_xla's enable/disable_manual_sharding,
+   or shard_map on the jax runtime),
    and each slice leaves the region as an ordinary logical tensor, [T, q_size] sharded by
    heads, [T, kv_size] sharded (or replicated) by kv heads, with no data movement.
 
@@ -32,7 +33,6 @@ from torch import nn
 
 from vllm_tpu_lora.layers.linear import TransposedLinear
 from vllm_tpu_lora.parallel.layout import SliceShard
-from vllm_tpu_lora.parallel.mesh import TPMesh
 
 
 def reorder_columns(t: torch.Tensor, slices: list[SliceShard], dim: int) -> torch.Tensor:
@@ -51,7 +51,7 @@ class ColumnParallelPackedLinear(nn.Module):
 
     slices_natively = True
 
-    def __init__(self, base: TransposedLinear, slices: list[SliceShard], tpm: TPMesh) -> None:
+    def __init__(self, base: TransposedLinear, slices: list[SliceShard], tpm) -> None:
         super().__init__()
         sizes = [s.size for s in slices]
         if list(base.output_sizes) != sizes:
@@ -67,27 +67,23 @@ class ColumnParallelPackedLinear(nn.Module):
         self.tpm = tpm
 
     def forward_slices(self, x: torch.Tensor) -> list[torch.Tensor]:
-        import torch_xla.distributed.spmd as xs
-
         y = x @ self.weight_t
         if self.bias is not None:
             y = y + self.bias
-        mesh, spec = self.tpm.spec(y.dim(), y.dim() - 1)
-        local = xs.enable_manual_sharding(y, spec, mesh=mesh).global_tensor
-        parts = local.split([s.local_size for s in self.slices], dim=-1)
-        out = []
-        for part, s in zip(parts, self.slices):
-            mesh, spec = self.tpm.spec(part.dim(), part.dim() - 1, s.groups)
-            full = (*x.shape[:-1], s.size)
-            out.append(xs.disable_manual_sharding(part, spec, full, mesh=mesh).global_tensor)
-        return out
+        last = y.dim() - 1
+
+        def split(local):
+            return local.split([s.local_size for s in self.slices], dim=-1)
+
+        return self.tpm.manual(split, [y], [(last, None)],
+                               [(y.dim(), last, s.groups) for s in self.slices])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat(self.forward_slices(x), dim=-1)
 
 
 def replace_packed_linears(model: nn.Module, layouts: dict[str, list[SliceShard]],
-                           tpm: TPMesh) -> list[str]:
+                           tpm) -> list[str]:
     """Swap every packed TransposedLinear named in `layouts` (by last name component, also
     inside a LoRA layer's base_layer) for its column-parallel form; return their names."""
     replaced = []

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from vllm_tpu_lora.parallel.mesh import TPMesh
-
 COLUMN_PACKED = ("qkv_proj", "gate_up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
@@ -41,7 +39,7 @@ def _owner(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-def shard_model(model: nn.Module, tpm: TPMesh) -> dict[str, str]:
+def shard_model(model: nn.Module, tpm) -> dict[str, str]:
     """Annotate every weight; return {parameter name: how it was sharded} for logging/tests."""
     done = {}
     for name, module in model.named_modules():
@@ -71,7 +69,7 @@ def shard_model(model: nn.Module, tpm: TPMesh) -> dict[str, str]:
     return done
 
 
-def _replicated_output(tpm: TPMesh, gather_from: int | None = None):
+def _replicated_output(tpm, gather_from: int | None = None):
     """Forward hook pinning a layer's output to replicated.
 
     On row-parallel layers it keeps the residual stream replicated, as in Megatron (XLA
@@ -84,23 +82,20 @@ def _replicated_output(tpm: TPMesh, gather_from: int | None = None):
     with a replicated pin alone XLA gathered lm_head's weight instead of the logits.
     """
     def hook(module, args, out):
-        import torch_xla.distributed.spmd as xs
-
         if gather_from is not None:
-            xs.mark_sharding(out, *tpm.spec(out.dim(), gather_from))
-        xs.mark_sharding(out, *tpm.spec(out.dim(), None))
-        return out
+            out = tpm.constrain(out, gather_from)
+        return tpm.constrain(out, None)
 
     return hook
 
 
-def shard_kv_caches(kv_caches: list[tuple], tpm: TPMesh, kv_groups: int) -> None:
+def shard_kv_caches(kv_caches: list[tuple], tpm, kv_groups: int) -> None:
     for layer_cache in kv_caches:
         for cache in layer_cache:
             tpm.mark(cache, 1, kv_groups)
 
 
-def shard_lora_buffers(layers: dict, tpm: TPMesh, fully_sharded: bool) -> None:
+def shard_lora_buffers(layers: dict, tpm, fully_sharded: bool) -> None:
     """`layers`: {module name: LoRALinear} as the LoRA manager holds them."""
     for name, layer in layers.items():
         owner = _owner(name)

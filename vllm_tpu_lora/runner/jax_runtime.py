@@ -81,8 +81,18 @@ class JaxRuntime:
         self.jax_device = jax.devices()[0]
         platform.set_device_type("TPU" if self.jax_device.platform == "tpu" else "CPU")
         self.device = torch.device("jax:0")
+        self.placement = self.jax_device  # where new arrays go: one device, or a mesh
+        self.mesh = None
         self._waits, self._waited_ns = 0, 0.0
         _listen_for_compiles()
+
+    def use_mesh(self, mesh) -> None:
+        """Tensor parallel: new arrays (weights before they are sharded, step inputs) are
+        replicated over `mesh`, so every graph's arguments live on its devices."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self.mesh = mesh
+        self.placement = NamedSharding(mesh, PartitionSpec())
 
     # ---- moving data ----
 
@@ -93,7 +103,7 @@ class JaxRuntime:
         """A numpy array or CPU torch tensor, on the device."""
         host = x if isinstance(x, np.ndarray) else host_array(x)
         with x64(True):
-            return self.wrap(jax.device_put(host, self.jax_device))
+            return self.wrap(jax.device_put(host, self.placement))
 
     def to_host(self, t: torch.Tensor) -> np.ndarray:
         return np.asarray(t._elem)
@@ -101,8 +111,9 @@ class JaxRuntime:
     def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
         from torchax.ops import mappings
 
-        with x64(True), jax.default_device(self.jax_device):
-            return self.wrap(jnp.zeros(shape, mappings.t2j_dtype(dtype)))
+        with x64(True):
+            return self.wrap(jax.device_put(jnp.zeros(shape, mappings.t2j_dtype(dtype)),
+                                            self.placement))
 
     def move_module(self, model: torch.nn.Module) -> torch.nn.Module:
         """Every parameter and buffer of `model` as a device tensor, in place (not as
@@ -120,7 +131,7 @@ class JaxRuntime:
     def zero_(self, tensors: list[torch.Tensor]) -> None:
         with x64(True):
             for t in tensors:
-                t._elem = jnp.zeros_like(t._elem)
+                t._elem = jnp.zeros_like(t._elem, device=t._elem.sharding)
 
     # ---- graphs ----
 
@@ -178,6 +189,7 @@ class JaxGraphCapture:
         self.rt = runtime
         self.weights = weights
         self.captures = 0
+        self.executables: list = []  # every graph compiled, in order (tests read their HLO)
 
     def compile(self, fn: Callable) -> Callable:
         graphs: dict[Any, _Graph] = {}
@@ -201,6 +213,7 @@ class JaxGraphCapture:
         given = {id(t) for t in tensors} | {id(t) for t in state}
         weights = [w for w in dict.fromkeys(self.weights()) if id(w) not in given]
         out_spec = []
+        pins = _layout_pins(self.rt.mesh, state)
 
         def pure(arg_arrays, state_arrays, weight_arrays):
             swapped = [*tensors, *state, *weights]
@@ -217,7 +230,7 @@ class JaxGraphCapture:
                 if changed:
                     raise TypeError(f"a captured graph updated tensor argument(s) {changed} in "
                                     "place; pass state it updates as FixedTensors")
-                return [o.jax() for o in out_leaves], [t._elem for t in state]
+                return pins([o.jax() for o in out_leaves], [t._elem for t in state])
             finally:
                 for t, a in zip(swapped, saved):
                     t._elem = a
@@ -228,4 +241,24 @@ class JaxGraphCapture:
         with x64(True):
             compiled = jax.jit(pure, donate_argnums=(1,)).lower(
                 [t._elem for t in tensors], [t._elem for t in state], weight_arrays).compile()
+        self.executables.append(compiled)
         return _Graph(compiled, weight_arrays, out_spec[0])
+
+
+def _layout_pins(mesh, state: list):
+    """Tensor parallel: a graph's updated state leaves laid out as it came in (so it is
+    donated in place and the next call matches the compiled input layout) and its outputs
+    replicated (a forward's output is the sampler graph's input, whichever bucket made
+    it). One device: nothing to pin."""
+    if mesh is None:
+        return lambda outs, new_state: (outs, new_state)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    layouts = [t._elem.sharding for t in state]
+
+    def pin(outs, new_state):
+        wsc = jax.lax.with_sharding_constraint
+        return ([wsc(o, replicated) for o in outs],
+                [wsc(a, s) for a, s in zip(new_state, layouts)])
+    return pin

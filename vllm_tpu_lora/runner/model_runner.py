@@ -87,10 +87,11 @@ class ModelRunner:
         self.lora_manager, self.punica = lora_manager, punica
         self.slot_ladder = buckets.slot_buckets(lora_manager.max_loras if lora_manager else 0)
         # enforce_eager (vLLM's name): re-trace every step lazily instead of replaying.
-        # Tensor parallel (SPMD) also re-traces: replaying an SPMD graph by hash hit
-        # in-flight scalar placeholders among its by-value inputs (see the README).
-        self.capture = (None if enforce_eager or tp is not None
-                         else self.rt.make_capture(self._weights))
+        # Tensor parallel on torch_xla (SPMD) also re-traces: replaying an SPMD graph by
+        # hash hit in-flight scalar placeholders among its by-value inputs (docs/design.md);
+        # the jax runtime replays sharded graphs like any other.
+        self.capture = (None if enforce_eager or (tp is not None and self.rt.name != "jax")
+                        else self.rt.make_capture(self._weights))
         compile_fn = self.capture.compile if self.capture else self.rt.eager
         self._forward_graph = compile_fn(_bind_forward(self.model, punica))
         self._sample_graph = compile_fn(_bind_sample(self.model, punica))
