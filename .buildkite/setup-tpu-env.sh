@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Sourced by the TPU job scripts: a venv with the `tpu` extra (libtpu) and dev tools, and a
-# hard check that a TPU is really in use, so that a misconfigured agent fails the job
-# instead of skipping every `tpu` test and passing.
+# Sourced by the TPU job scripts: a venv with the `tpu` extra (current jax[tpu]: the jax
+# runtime) and dev tools, and a hard check that a TPU is really in use, so that a
+# misconfigured agent fails the job instead of skipping every `tpu` test and passing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -19,6 +19,7 @@ mkdir -p tpu-results
 python - <<'PY'
 from vllm_tpu_lora import platform
 assert platform.is_tpu(), f"no TPU detected (PJRT_DEVICE={platform.device_type()})"
-import torch_xla.runtime as xr
-print(f"TPU devices: {xr.global_runtime_device_count()}")
+import jax
+assert jax.devices()[0].platform == "tpu", jax.devices()
+print(f"TPU devices: {jax.device_count()}")
 PY

@@ -134,7 +134,7 @@ def offline_row(args, flags: list[str], jobs, models) -> dict:
     """The same requests through LLM.generate in this process: the engine's own speed,
     so the server's overhead is the difference."""
     from vllm_tpu_lora import LLM, LoRARequest, SamplingParams
-    from vllm_tpu_lora.entrypoints.cli import engine_kwargs
+    from vllm_tpu_lora.entrypoints.args import engine_kwargs
     from vllm_tpu_lora.entrypoints.openai.cli_args import make_arg_parser
 
     ns = make_arg_parser().parse_args(flags)

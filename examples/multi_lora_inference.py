@@ -1,37 +1,31 @@
 """Several LoRA adapters (and the base model) in one batch.
 
-    python examples/multi_lora_inference.py BASE_DIR NAME=ADAPTER_DIR [NAME=ADAPTER_DIR ...]
-With no argument a tiny random Llama and three random PEFT adapters are built locally.
+    python examples/multi_lora_inference.py [BASE_DIR NAME=ADAPTER_DIR ...] [--prompt P]
+With no model it runs the bundled demo model and its four adapters (upper, reverse,
+rot13, sort), offline.
 """
 
-import sys
-import tempfile
+import argparse
 
-from vllm_tpu_lora import LLM, LoRARequest, SamplingParams
-
-
-def _local_models() -> tuple[str, dict[str, str]]:
-    from vllm_tpu_lora.testing.factory import make_peft_adapter, make_tiny_llama
-
-    root = tempfile.mkdtemp(prefix="multi-lora-")
-    base = make_tiny_llama(f"{root}/base")
-    adapters = {name: make_peft_adapter(base, f"{root}/{name}", r=8, seed=i)
-                for i, name in enumerate(["alpha", "beta", "gamma"])}
-    return base, adapters
+from vllm_tpu_lora import LLM, LoRARequest, SamplingParams, demo_assets
 
 
 def main() -> None:
-    if len(sys.argv) > 2:
-        base = sys.argv[1]
-        adapters = dict(arg.split("=", 1) for arg in sys.argv[2:])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", nargs="?", help="base model directory (default: the demo)")
+    parser.add_argument("adapters", nargs="*", help="NAME=ADAPTER_DIR")
+    parser.add_argument("--prompt", default=None)
+    args = parser.parse_args()
+    if args.model:
+        base, adapters = args.model, dict(a.split("=", 1) for a in args.adapters)
+        prompt = args.prompt or "The cat looks at"
     else:
-        base, adapters = _local_models()
+        (base, adapters), prompt = demo_assets(), args.prompt or "violin="
     llm = LLM(base, enable_lora=True, max_loras=4, max_lora_rank=16, max_num_seqs=8,
-              max_num_batched_tokens=64, max_model_len=256)
+              max_num_batched_tokens=32, max_model_len=64)
     requests = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(adapters.items())]
-    prompts = ["The cat looks at"] * (len(requests) + 1)
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    outs = llm.generate(prompts, params, lora_request=requests + [None])
+    outs = llm.generate([prompt] * (len(requests) + 1), params, lora_request=requests + [None])
     for req, out in zip(requests + [None], outs):
         print(f"{req.lora_name if req else 'base':>8}: {out.outputs[0].text!r}")
     print(llm.llm_engine.stats())

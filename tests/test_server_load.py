@@ -180,7 +180,8 @@ def test_serve_subcommand_and_api_key_env(monkeypatch):
 
 
 def test_prefix_caching_flag_defaults_on_and_can_be_turned_off():
-    from vllm_tpu_lora.entrypoints.cli import build_parser, engine_kwargs
+    from vllm_tpu_lora.entrypoints.args import engine_kwargs
+    from vllm_tpu_lora.entrypoints.cli import build_parser
 
     parse = build_parser().parse_args
     assert engine_kwargs(parse(["serve", "/m"]))["enable_prefix_caching"] is True

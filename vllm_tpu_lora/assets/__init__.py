@@ -11,6 +11,7 @@ The tokenizer is character-level and prepends <s> itself, so `demo_prompt` retur
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 DEMO_TASKS = ("upper", "reverse", "rot13", "sort")
 
@@ -26,6 +27,18 @@ def demo_model_dir() -> str:
 def demo_adapters() -> dict[str, str]:
     """Adapter name -> PEFT adapter directory, for every task in DEMO_TASKS."""
     return {task: os.path.join(_DEMO_DIR, "adapters", task) for task in DEMO_TASKS}
+
+
+class DemoAssets(NamedTuple):
+    model: str  # the base model's directory
+    adapters: dict[str, str]  # adapter name -> PEFT adapter directory
+
+
+def demo_assets() -> DemoAssets:
+    """The bundled model and adapters, for examples that must run anywhere, offline:
+    `model, adapters = demo_assets()`, then `LLM(model, ...)` and
+    `LoRARequest("reverse", 1, adapters["reverse"])`."""
+    return DemoAssets(demo_model_dir(), demo_adapters())
 
 
 def demo_prompt(word: str) -> str:

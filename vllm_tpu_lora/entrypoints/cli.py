@@ -1,50 +1,19 @@
-"""`vllm-tpu-lora` command line: `generate` (offline) and, with the server, `serve`."""
+"""`vllm-tpu-lora` command line: `generate` (offline), `demo`, `serve` and `serve-ray`.
+
+The top of the entry points: it imports the pieces (demo, server, Ray), none of which
+imports it back; the flags they share live in `args.py`. The server and Ray Serve are
+imported only when their command runs (Ray is an optional extra)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import typing
 
-from vllm_tpu_lora.config import EngineArgs
+from vllm_tpu_lora.entrypoints.args import add_engine_args, engine_kwargs
 from vllm_tpu_lora.entrypoints.demo import add_demo_args
 from vllm_tpu_lora.entrypoints.openai.cli_args import add_server_args
-
-_SKIP = {"model", "precompile"}
-
-
-def _flag_type(hint) -> type | None:
-    hint = str(hint)
-    if "bool" in hint:
-        return None
-    if "int" in hint:
-        return int
-    return str
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every EngineArgs field as a --kebab-case flag, vLLM style."""
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in _SKIP:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = _flag_type(hints[f.name])
-        if "list" in str(hints[f.name]):
-            parser.add_argument(flag, nargs="+", type=kind, default=f.default)
-        elif kind is None and f.default is not False:  # on, or decided: --flag / --no-flag
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif kind is None:
-            parser.add_argument(flag, action="store_true", default=f.default)
-        else:
-            parser.add_argument(flag, type=kind, default=f.default)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
-            if f.name not in _SKIP}
+from vllm_tpu_lora.entrypoints.ray_args import add_ray_args
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -117,8 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
                                            "routing each request to a replica holding its "
                                            "adapter (needs the [ray] extra)")
     add_server_args(ray, positional_model=True)
-    from vllm_tpu_lora.entrypoints.ray_args import add_ray_args
-
     add_ray_args(ray)
     ray.set_defaults(func=_serve_ray)
     return parser

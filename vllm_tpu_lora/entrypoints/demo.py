@@ -21,20 +21,6 @@ def add_demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-backend", default="auto", choices=["auto", "xla", "pallas"])
 
 
-def apply_demo_defaults(args: argparse.Namespace) -> None:
-    """`serve` with no model: the bundled model, with the bundled adapters registered."""
-    from vllm_tpu_lora.assets import demo_adapters, demo_model_dir
-    from vllm_tpu_lora.entrypoints.openai.cli_args import LoRAModulePath
-
-    args.model = demo_model_dir()
-    args.enable_lora = True
-    args.max_loras = max(args.max_loras, len(demo_adapters()))
-    given = {m.name for m in args.lora_modules or []}
-    args.lora_modules = list(args.lora_modules or []) + [
-        LoRAModulePath(name, path) for name, path in demo_adapters().items() if name not in given]
-    args.served_model_name = args.served_model_name or ["demo"]
-
-
 def run_demo(args: argparse.Namespace) -> int:
     from vllm_tpu_lora import LLM, LoRARequest, SamplingParams
     from vllm_tpu_lora.assets import demo_adapters, demo_expected, demo_model_dir, demo_prompt

@@ -29,7 +29,12 @@ from starlette.exceptions import HTTPException
 
 import vllm_tpu_lora
 from vllm_tpu_lora.config import EngineArgs, api_key_from_env, runtime_lora_updating_allowed
-from vllm_tpu_lora.entrypoints.openai.cli_args import make_arg_parser, model_of
+from vllm_tpu_lora.entrypoints.args import engine_kwargs
+from vllm_tpu_lora.entrypoints.openai.cli_args import (
+    apply_demo_defaults,
+    make_arg_parser,
+    model_of,
+)
 from vllm_tpu_lora.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_tpu_lora.entrypoints.openai.protocol import (
     APIError,
@@ -210,7 +215,6 @@ async def build_server(args: argparse.Namespace) -> Server:
     from transformers import AutoTokenizer
 
     from vllm_tpu_lora.engine.async_engine import AsyncLLMEngine
-    from vllm_tpu_lora.entrypoints.cli import engine_kwargs
 
     model = model_of(args)
     engine_args = EngineArgs.from_kwargs(model=model, **engine_kwargs(args))
@@ -265,8 +269,6 @@ async def _serve_http(app: FastAPI, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not (getattr(args, "model_tag", None) or args.model):
-        from vllm_tpu_lora.entrypoints.demo import apply_demo_defaults
-
         apply_demo_defaults(args)  # no model: serve the bundled demo model and adapters
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")

@@ -7,6 +7,7 @@ import argparse
 import json
 from collections.abc import Sequence
 
+from vllm_tpu_lora.entrypoints.args import add_engine_args
 from vllm_tpu_lora.entrypoints.openai.protocol import LoRAModulePath
 
 
@@ -42,8 +43,6 @@ class LoRAParserAction(argparse.Action):
 
 def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> None:
     """Everything `serve` takes: the model, the frontend flags and every engine arg."""
-    from vllm_tpu_lora.entrypoints.cli import add_engine_args
-
     if positional_model:
         parser.add_argument("model_tag", nargs="?", default=None,
                             help="HF checkpoint directory to serve (or use --model)")
@@ -78,6 +77,19 @@ def model_of(args: argparse.Namespace) -> str:
         raise ValueError(f"Two different models given: {args.model_tag!r} and --model "
                          f"{args.model!r}")
     return model
+
+
+def apply_demo_defaults(args: argparse.Namespace) -> None:
+    """`serve` with no model: the bundled model, with the bundled adapters registered."""
+    from vllm_tpu_lora.assets import demo_adapters, demo_model_dir
+
+    args.model = demo_model_dir()
+    args.enable_lora = True
+    args.max_loras = max(args.max_loras, len(demo_adapters()))
+    given = {m.name for m in args.lora_modules or []}
+    args.lora_modules = list(args.lora_modules or []) + [
+        LoRAModulePath(name, path) for name, path in demo_adapters().items() if name not in given]
+    args.served_model_name = args.served_model_name or ["demo"]
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
