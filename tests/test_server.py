@@ -181,8 +181,18 @@ def test_api_key_required(server):
     r = post(server, "/v1/completions", {"model": NAME, "prompt": "x"}, key=None)
     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
     assert httpx.get(server.url + "/v1/models").status_code == 401
-    # Like vLLM, the operational endpoints are not behind the key.
+    # Tenants see only what is theirs: every adapter's activity (/stats), flushing every
+    # tenant's cached prefixes and the version need the key too.
+    for method, path in (("GET", "/stats"), ("POST", "/reset_prefix_cache"),
+                         ("GET", "/version")):
+        r = httpx.request(method, server.url + path, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401, path
+        ok = httpx.request(method, server.url + path, timeout=60,
+                           headers={"Authorization": f"Bearer {API_KEY}"})
+        assert ok.status_code == 200, path
+    # Liveness and the Prometheus counters stay open, as in vLLM.
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
 
 
 def test_unknown_model_is_404(client):
@@ -268,7 +278,8 @@ def test_lora_endpoint_errors(server, lora_roots):
 def test_health_version_metrics(server, client):
     client.completions.create(model=NAME, prompt="The cat", max_tokens=3, temperature=0)
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/version").json()["version"]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(server.url + "/version", headers=auth).json()["version"]
     text = httpx.get(server.url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm_tpu_lora:lora_slots_in_use", "vllm:time_to_first_token_seconds_bucket",

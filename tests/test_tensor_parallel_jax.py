@@ -13,10 +13,11 @@ import sys
 
 import pytest
 
-from vllm_tpu_lora.testing.factory import make_peft_adapter
+from vllm_tpu_lora.testing.factory import make_peft_adapter, sample_prompt_token_ids
+from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
 
 from .test_tensor_parallel import ADAPTERS, NUM_LAYERS, VOCAB
-from .tp_worker import ENGINE
+from .tp_worker import ENGINE, MAX_TOKENS
 
 CONFIGS = [(2, False), (2, True), (4, False), (4, True)]
 IDS = [f"tp{tp}-{'fully_sharded' if fs else 'lora_a_replicated'}" for tp, fs in CONFIGS]
@@ -39,7 +40,7 @@ def results(llama_dir, tmp_path_factory):
     with open(args["out"]) as f:
         out = json.load(f)["configs"]
     assert "error" not in out[0], out[0]["error"]
-    return out[0], out[1:]
+    return out[0], out[1:], adapters
 
 
 @pytest.fixture(params=range(len(CONFIGS)), ids=IDS)
@@ -56,6 +57,22 @@ def test_greedy_outputs_identical_to_tp1(results, run):
         assert run["outputs"][phase] == ids, f"tp={run['tp']} phase {phase}"
         assert run["outputs_async"][phase] == ids, f"tp={run['tp']} async, phase {phase}"
     assert run["async_compilations"] == 0
+
+
+def test_reference_equals_peft(llama_dir, results):
+    """The TP=1 reference every config equals is itself PEFT's greedy output, phase by
+    phase (tp_worker.run_workload's prompts and adapters; a removed adapter read again
+    serves the same weights)."""
+    reference, _, adapters = results
+    prompts = sample_prompt_token_ids(8, seed=3, max_len=24)
+    names = {i + 1: f"a{i + 1}" for i in range(len(adapters))}
+    oracle = load_oracle_model(llama_dir, {names[i + 1]: p for i, p in enumerate(adapters)})
+    picks = {"base": [None] * 6, "mixed": [1, 2, 3, None, 1, 2, 3, None],
+             "swap": [4, 5, 4, 1, None], "after_remove": [2, 5, 3, 4, None]}
+    for phase, ids in picks.items():
+        expected = hf_greedy(oracle, prompts[: len(ids)], MAX_TOKENS,
+                             adapter_names=[names.get(i) for i in ids])
+        assert reference["outputs"][phase] == [e.token_ids for e in expected], phase
 
 
 def test_replayed_and_nothing_compiles_while_adapters_swap(run):

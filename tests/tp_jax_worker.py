@@ -16,16 +16,9 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tp_worker import ENGINE, run_workload  # noqa: E402
+from tp_worker import _COLLECTIVES, _SHAPE, ENGINE, _dims, run_workload  # noqa: E402
 
 NUM_DEVICES = 4
-_SHAPE = r"[a-z0-9]+\[[0-9,]*\]"
-_COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
-
-
-def _dims(shape: str) -> list[int]:
-    inner = shape[shape.index("[") + 1: -1]
-    return [int(d) for d in inner.split(",")] if inner else []
 
 
 def analyze(text: str) -> dict:

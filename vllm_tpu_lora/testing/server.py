@@ -95,7 +95,9 @@ class RemoteServer:
         return self.proc.wait(timeout=timeout)
 
     def stats(self) -> dict:
-        return httpx.get(self.url + "/stats", timeout=10).json()
+        """The engine's /stats (behind the API key when the server has one)."""
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.get(self.url + "/stats", headers=auth, timeout=10).json()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

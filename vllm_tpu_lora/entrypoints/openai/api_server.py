@@ -58,9 +58,15 @@ def error_json(err: APIError) -> JSONResponse:
     return JSONResponse(err.response().model_dump(), status_code=int(err.status))
 
 
+# What answers without the API key: liveness, and the Prometheus counters (as vLLM
+# leaves them). Everything else needs it: /stats names every adapter and its activity,
+# /reset_prefix_cache would let anyone flush every tenant's cached prefixes.
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
 class APIKeyMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware, which gets in the way of streaming and of
-    disconnect detection). Like vLLM, only /v1 is protected; /health and /metrics are not."""
+    disconnect detection). Every path but _OPEN_PATHS needs the key."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
@@ -68,7 +74,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if (scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"].startswith("/v1")):
+                and scope["path"] not in _OPEN_PATHS):
             got = Headers(scope=scope).get("authorization", "").encode()
             if not hmac.compare_digest(got, self.expected):
                 err = APIError("Unauthorized: missing or invalid API key.",
