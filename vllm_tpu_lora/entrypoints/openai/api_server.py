@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import suppress
@@ -157,8 +158,9 @@ def build_app(engine, models: OpenAIServingModels, completion: OpenAIServingComp
 
     @app.get("/stats")
     async def engine_stats():
-        """Debug: the engine's stats() snapshot as JSON (what /metrics is built from)."""
-        return JSONResponse(engine.stats())
+        """Debug: the engine's stats() snapshot as JSON (what /metrics is built from), and
+        each LoRA resolver's lookups, hits and downloads."""
+        return JSONResponse({**engine.stats(), "lora_resolvers": models.resolver_stats()})
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
@@ -232,7 +234,8 @@ async def build_server(args: argparse.Namespace) -> Server:
     engine = AsyncLLMEngine(engine_args)
     models = OpenAIServingModels(engine, base_paths, lora_modules=args.lora_modules,
                                  allowed_lora_dirs=args.allowed_lora_dirs,
-                                 max_model_len=config.model_config.max_model_len)
+                                 max_model_len=config.model_config.max_model_len,
+                                 resolvers=_resolvers(args, engine_args.enable_lora))
     static_loras = models.prepare_static_loras()  # before compiling: fails fast
     await engine.start(preload_loras=static_loras)
     models.register_static_loras()
@@ -271,6 +274,19 @@ async def _serve_http(app: FastAPI, args: argparse.Namespace) -> None:
     await server.serve()
     if not server.started:  # e.g. the port was taken; uvicorn logged why
         raise OSError(f"could not listen on {args.host}:{args.port}")
+
+
+def _resolvers(args: argparse.Namespace, enable_lora: bool) -> list:
+    """--lora-resolver-uri values (and VLLM_LORA_RESOLVER_CACHE_DIR) as resolvers."""
+    from vllm_tpu_lora.lora.resolvers import DownloadCache, make_resolvers
+
+    uris = getattr(args, "lora_resolver_uris", None) or []
+    if not uris and not os.environ.get("VLLM_LORA_RESOLVER_CACHE_DIR"):
+        return []
+    if not enable_lora:
+        raise ValueError("--lora-resolver-uri needs --enable-lora")
+    root = args.lora_resolver_cache_dir or os.path.expanduser("~/.cache/vllm_tpu_lora/lora_resolver")
+    return make_resolvers(uris, DownloadCache(root, int(args.lora_resolver_cache_gb * 2**30)))
 
 
 def run(args: argparse.Namespace) -> int:

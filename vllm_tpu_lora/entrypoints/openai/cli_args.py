@@ -61,6 +61,16 @@ def add_server_args(parser: argparse.ArgumentParser, *, positional_model: bool) 
     parser.add_argument("--allowed-lora-dirs", nargs="+", default=None,
                         help="adapters may only be loaded from under these directories "
                              "(checked on the real path: no escape by `..` or symlinks)")
+    parser.add_argument("--lora-resolver-uri", dest="lora_resolver_uris", action="append",
+                        default=None, metavar="URI",
+                        help="resolve unknown adapter names from here, in order (repeatable): "
+                             "s3://BUCKET/PREFIX, a directory or file:// URI, hf-cache:// "
+                             "(needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora)")
+    parser.add_argument("--lora-resolver-cache-dir", default=None,
+                        help="where resolvers download adapters (default: "
+                             "~/.cache/vllm_tpu_lora/lora_resolver)")
+    parser.add_argument("--lora-resolver-cache-gb", type=float, default=10.0,
+                        help="bound of that cache; least recently used adapters go first")
     parser.add_argument("--chat-template", default=None,
                         help="a chat template file, or the template itself")
     parser.add_argument("--uvicorn-log-level", default="info",

@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         arrival = now()
-        model_name, lora = self.check_request(request)
+        model_name, lora = await self.check_request(request)
         if request.top_logprobs and not request.logprobs:
             raise APIError("when using `top_logprobs`, `logprobs` must be set to true.",
                            param="top_logprobs")

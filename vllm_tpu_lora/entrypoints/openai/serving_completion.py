@@ -30,7 +30,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest
                                 ) -> CompletionResponse | AsyncIterator[str]:
         arrival = now()
-        model_name, lora = self.check_request(request)
+        model_name, lora = await self.check_request(request)
         prompts = self._prompts(request)
         params = [self.sampling_params(request, len(ids), request.max_tokens, request.logprobs,
                                        "prompt") for _, ids in prompts]

@@ -39,7 +39,7 @@ class OpenAIServing:
 
     # ---- checks ----
 
-    def check_request(self, request: SamplingFields):
+    async def check_request(self, request: SamplingFields):
         """(served model name, adapter) after rejecting what this server cannot honour."""
         if request.model_extra:
             logger.warning("The following fields were present in the request but ignored: %s",
@@ -50,7 +50,7 @@ class OpenAIServing:
         if request.cache_salt is not None and not request.cache_salt:
             raise APIError("Parameter 'cache_salt' must be a non-empty string if provided.",
                            param="cache_salt")
-        return self.models.resolve(request.model)
+        return await self.models.resolve_or_fetch(request.model)
 
     def sampling_params(self, request: SamplingFields, prompt_len: int, max_tokens: int | None,
                         logprobs: int | None, prompt_param: str) -> SamplingParams:

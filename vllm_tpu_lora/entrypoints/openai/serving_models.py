@@ -4,6 +4,12 @@ Handles /v1/models, /v1/load_lora_adapter and /v1/unload_lora_adapter with vLLM'
 and messages, and resolves a request's `model` to (served name, LoRARequest or None).
 An adapter is only listed, and only routable, after the engine accepted it (add_lora
 validates and loads it into the host cache); unloading stops routing first, then frees it.
+
+Resolvers (lora/resolvers.py, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True as in vLLM): a
+`model` that names neither the base model nor a known adapter is looked up through them in
+order, fetched in a thread (never on the event loop or the step), checked against the
+served model and loaded like any adapter. Concurrent first requests for one name share
+one lookup; a failed one fails only that adapter's requests.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from vllm_tpu_lora.entrypoints.openai.protocol import (
     not_found,
 )
 from vllm_tpu_lora.lora.request import LoRARequest
+from vllm_tpu_lora.lora.resolvers import check_adapter_name
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +39,8 @@ logger = logging.getLogger(__name__)
 class OpenAIServingModels:
     def __init__(self, engine, base_model_paths: list[BaseModelPath], *,
                  lora_modules: list[LoRAModulePath] | None = None,
-                 allowed_lora_dirs: list[str] | None = None, max_model_len: int | None = None):
+                 allowed_lora_dirs: list[str] | None = None, max_model_len: int | None = None,
+                 resolvers: list | None = None):
         self.engine = engine
         self.base_model_paths = base_model_paths
         self.static_lora_modules = list(lora_modules or [])
@@ -44,6 +52,8 @@ class OpenAIServingModels:
         self._ids = itertools.count(1)
         self._static: list[LoRARequest] = []
         self._lock = asyncio.Lock()  # load/unload are check-then-act across an await
+        self.resolvers = list(resolvers or [])
+        self._resolving: dict[str, asyncio.Future] = {}  # name -> the lookup in flight
 
     @property
     def base_name(self) -> str:
@@ -60,6 +70,78 @@ class OpenAIServingModels:
         if lora is None:
             raise not_found(f"The model `{name}` does not exist.")
         return name, lora
+
+    async def resolve_or_fetch(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """resolve(), and for an unknown name the resolvers (when configured and runtime
+        adapter loading is allowed): 400 for a name no resolver may see, 404 when none
+        has it."""
+        from vllm_tpu_lora.config import runtime_lora_updating_allowed
+
+        try:
+            return self.resolve(name)
+        except APIError:
+            if not self.resolvers or not runtime_lora_updating_allowed():
+                raise
+        try:
+            check_adapter_name(name)
+        except ValueError as e:
+            raise APIError(str(e), param="model") from None
+        fut = self._resolving.get(name)
+        if fut is None:
+            fut = self._resolving[name] = asyncio.ensure_future(self._fetch_and_load(name))
+            fut.add_done_callback(lambda _: self._resolving.pop(name, None))
+        return name, await asyncio.shield(fut)
+
+    async def _fetch_and_load(self, name: str) -> LoRARequest:
+        path = None
+        for resolver in self.resolvers:
+            try:
+                path = await asyncio.to_thread(resolver.fetch, name)
+            except Exception as e:  # noqa: BLE001 - the store failed: this adapter only
+                logger.warning("LoRA resolver %s failed for %r: %r", type(resolver).__name__,
+                               name, e)
+                raise APIError(f"Loading lora {name} failed: the adapter store failed",
+                               HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailableError",
+                               "model") from None
+            if path is not None:
+                break
+        if path is None:
+            raise not_found(f"The model `{name}` does not exist.")
+        self._check_base_model(name, path)
+        async with self._lock:
+            if name in self.lora_requests:  # loaded by an operator meanwhile
+                return self.lora_requests[name]
+            lora = self._new_request(name, path, None)
+            try:
+                await self.engine.add_lora(lora)
+            except (ValueError, OSError, RuntimeError) as e:
+                raise adapter_error(e) from None
+            self.lora_requests[name] = lora
+            self._lora_paths[name] = name  # never the local path or the store's URI
+        logger.info("Resolved LoRA adapter %r", name)
+        return lora
+
+    def _check_base_model(self, name: str, path: str) -> None:
+        """An adapter trained for another model is refused, naming both."""
+        import json
+
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            base = json.load(f).get("base_model_name_or_path")
+        if not base:
+            return
+        served = {m.name for m in self.base_model_paths} | {
+            m.model_path for m in self.base_model_paths}
+        ok = (base in served or any(os.path.realpath(base) == os.path.realpath(p) or
+                                    os.path.basename(base.rstrip("/")) ==
+                                    os.path.basename(p.rstrip("/")) for p in served))
+        if not ok:
+            raise APIError(f"LoRA adapter '{name}' was trained for base model '{base}', but "
+                           f"this server serves '{self.base_name}'.", param="model")
+
+    def resolver_stats(self) -> list[dict]:
+        """Per resolver (by position and kind, never its URI): lookups, hits, bytes, s."""
+        return [{"resolver": f"{i}:{type(r).__name__}", **r.stats.as_dict()}
+                for i, r in enumerate(self.resolvers)]
 
     def show_available_models(self) -> ModelList:
         cards = [ModelCard(id=m.name, root=m.model_path, max_model_len=self.max_model_len)
