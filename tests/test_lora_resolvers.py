@@ -6,6 +6,7 @@ server's own request log); unknown names 404; names that could escape a prefix a
 without a fetch; a broken adapter fails only its own requests."""
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -83,6 +84,12 @@ def stores(llama_dir, s3_server, tmp_path_factory):
                   Body=b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": ")
     directory = root / "dir"
     shutil.copytree(made["dir-a"], directory / "dir-a")
+    # An adapter trained for another model (its config says so).
+    shutil.copytree(made["dir-a"], directory / "foreign")
+    cfg_path = directory / "foreign" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = "other-org/OtherModel-7B"
+    cfg_path.write_text(json.dumps(cfg))
     hf_cache = root / "hf"
     repo = hf_cache / f"models--{HF_REPO.replace('/', '--')}"
     shutil.copytree(made["hf-a"], repo / "snapshots" / ("0" * 40))
@@ -180,6 +187,14 @@ def test_unknown_and_invalid_names(server, s3_server):
         assert r.status_code == 400 and "Invalid LoRA adapter name" in r.json()["error"][
             "message"], (bad, r.text)
     assert open(log).read().count("GET ") == before  # nothing was fetched for them
+
+
+def test_adapter_for_another_base_model_is_refused_naming_both(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"model": "foreign", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert "other-org/OtherModel-7B" in msg and "'base'" in msg, msg
 
 
 def test_broken_adapter_fails_alone(server, oracle, stores):
