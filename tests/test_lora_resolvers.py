@@ -172,6 +172,9 @@ def test_concurrent_first_requests_fetch_once(server, s3_server):
     s3_stats = stats[0]
     assert s3_stats["resolver"] == "0:S3Resolver" and s3_stats["download_bytes"] > 0
     assert all("tenants" not in str(s) for s in stats)  # no URI in the answer
+    text = httpx.get(server.url + "/metrics").text  # the same counters for Prometheus
+    assert 'vllm_tpu_lora:lora_resolver_hits_total{resolver="0:S3Resolver"}' in text
+    assert "tenants" not in text and "loras" not in text.replace("lora_", "")
 
 
 def test_unknown_and_invalid_names(server, s3_server):

@@ -241,7 +241,7 @@ async def build_server(args: argparse.Namespace) -> Server:
     models.register_static_loras()
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.model_config.tokenizer_path)
-        metrics = ServerMetrics(engine)
+        metrics = ServerMetrics(engine, models.resolver_stats if models.resolvers else None)
         common = dict(max_model_len=engine.max_model_len)
         completion = OpenAIServingCompletion(engine, models, tokenizer, metrics, **common)
         chat = OpenAIServingChat(engine, models, tokenizer, metrics, **common,

@@ -112,10 +112,37 @@ def _adapter_families(loras: dict, stats: dict):
     yield info
 
 
+# resolver_stats() key -> (metric name, help), one series per resolver ("0:S3Resolver":
+# its position and kind, never its URI: /metrics answers without the API key).
+_RESOLVER_METRICS = {
+    "lookups": ("vllm_tpu_lora:lora_resolver_lookups", "Adapter names looked up."),
+    "hits": ("vllm_tpu_lora:lora_resolver_hits", "Lookups that found the adapter."),
+    "download_bytes": ("vllm_tpu_lora:lora_resolver_download_bytes", "Bytes downloaded."),
+    "download_seconds": ("vllm_tpu_lora:lora_resolver_download_seconds",
+                         "Seconds spent downloading."),
+}
+
+
+class _ResolverCollector:
+    def __init__(self, resolver_stats) -> None:
+        self.resolver_stats = resolver_stats
+
+    def collect(self):
+        rows = self.resolver_stats()
+        for key, (name, doc) in _RESOLVER_METRICS.items():
+            family = CounterMetricFamily(name, doc, labels=["resolver"])
+            for row in rows:
+                family.add_metric([row["resolver"]], float(row[key]))
+            yield family
+
+
 class ServerMetrics:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, resolver_stats=None) -> None:
+        """resolver_stats: OpenAIServingModels.resolver_stats, when resolvers are set."""
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
+        if resolver_stats is not None:
+            self.registry.register(_ResolverCollector(resolver_stats))
         labels = ["model_name"]
         kw = dict(registry=self.registry)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
