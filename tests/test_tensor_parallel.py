@@ -32,11 +32,16 @@ ADAPTERS = [dict(r=8, seed=1), dict(r=4, target_modules=["q_proj", "v_proj"], se
 WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
 
 
+def make_tp_adapters(llama_dir, root) -> list[str]:
+    """The TP workloads' five adapters (tp_worker.run_workload names them a1..a5)."""
+    return [make_peft_adapter(llama_dir, str(root / f"a{i}"), **kw)
+            for i, kw in enumerate(ADAPTERS)]
+
+
 @pytest.fixture(scope="module")
 def tp_run(llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    adapters = [make_peft_adapter(llama_dir, str(root / f"a{i}"), **kw)
-                for i, kw in enumerate(ADAPTERS)]
+    adapters = make_tp_adapters(llama_dir, root)
     args = {"model": llama_dir, "adapters": adapters, "dump_dir": str(root / "hlo"),
             "out": str(root / "out.json"), "reference_out": str(root / "reference.json"),
             "configs": [{"tp": tp, "fully_sharded": fs} for tp, fs in CONFIGS]}

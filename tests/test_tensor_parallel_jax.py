@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from vllm_tpu_lora.testing.factory import make_peft_adapter, sample_prompt_token_ids
+from vllm_tpu_lora.testing.factory import sample_prompt_token_ids
 from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
 
-from .test_tensor_parallel import ADAPTERS, NUM_LAYERS, VOCAB
+from .test_tensor_parallel import NUM_LAYERS, VOCAB, make_tp_adapters
 from .tp_worker import ENGINE, MAX_TOKENS
 
 CONFIGS = [(2, False), (2, True), (4, False), (4, True)]
@@ -28,8 +28,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "tp_jax_worker.py")
 @pytest.fixture(scope="module")
 def results(llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_jax")
-    adapters = [make_peft_adapter(llama_dir, str(root / f"a{i}"), **kw)
-                for i, kw in enumerate(ADAPTERS)]
+    adapters = make_tp_adapters(llama_dir, root)
     args = {"model": llama_dir, "adapters": adapters, "out": str(root / "out.json"),
             "configs": [{"tp": tp, "fully_sharded": fs} for tp, fs in CONFIGS]}
     with open(root / "args.json", "w") as f:
