@@ -50,6 +50,10 @@ def oracle(llama_dir, adapters):
     return load_oracle_model(llama_dir, adapters), AutoTokenizer.from_pretrained(llama_dir)
 
 
+KEY = "ray-tenant-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def _server(llama_dir, adapters, *extra) -> RemoteServer:
     args = [llama_dir, "--served-model-name", "base", "--num-replicas", "2",
             "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--max-model-len", "64",
@@ -57,7 +61,7 @@ def _server(llama_dir, adapters, *extra) -> RemoteServer:
             "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()],
             "--allowed-lora-dirs", os.path.dirname(next(iter(adapters.values()))), *extra]
     srv = RemoteServer(args, command=SERVE_RAY, startup_timeout=420, stop_timeout=150,
-                       env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+                       env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, api_key=KEY)
     try:  # /health answers once one replica is up: wait for both
         deadline = time.monotonic() + 300
         while len(replica_stats(srv)) < 2:
@@ -77,7 +81,7 @@ def server(llama_dir, adapters):
 
 
 def replica_stats(server) -> list[dict]:
-    return httpx.get(server.url + "/stats", timeout=60).json()["replicas"]
+    return httpx.get(server.url + "/stats", headers=AUTH, timeout=60).json()["replicas"]
 
 
 def adapter_loads(server) -> int:
@@ -98,7 +102,7 @@ def workload(rounds: int, seed: int = 0) -> list[tuple[str, list[int]]]:
 async def _complete_all(server, jobs, stagger: float = 0.0, max_tokens: int = MAX_NEW) -> list:
     """All jobs at once, or started `stagger` seconds apart (adapters coming into use over
     time rather than in one burst before any replica has reported what it holds)."""
-    async with openai.AsyncOpenAI(base_url=server.base_url, api_key="unused",
+    async with openai.AsyncOpenAI(base_url=server.base_url, api_key=KEY,
                                   max_retries=0, timeout=300) as client:
         async def one(i, model, prompt):
             await asyncio.sleep(i * stagger)
@@ -165,19 +169,29 @@ def test_without_affinity_loads_grow_and_sigterm_stops_the_cluster(llama_dir, ad
     assert not alive, [procs[p][:120] for p in alive]
 
 
+def test_api_key_guards_what_the_ingress_and_the_replicas_answer(server):
+    """/stats (answered by the ingress itself: every replica's adapters) and the API
+    (forwarded to a replica) need the key; /health does not."""
+    for path in ("/stats", "/v1/models"):
+        r = httpx.get(server.url + path, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", path
+    assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+
+
 def test_load_and_unload_reach_every_replica(server, oracle, adapters, tmp_path):
     body = {"lora_name": "late", "lora_path": adapters["r1"]}
-    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=120)
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, headers=AUTH, timeout=120)
     assert r.status_code == 200, r.text
     assert all("late" in s["loras"] for s in replica_stats(server))
-    ids = [m["id"] for m in httpx.get(server.base_url + "/models", timeout=30).json()["data"]]
+    ids = [m["id"] for m in httpx.get(server.base_url + "/models", headers=AUTH,
+                                      timeout=30).json()["data"]]
     assert "late" in ids and set(NAMES) <= set(ids)
     jobs = [("late", [5, 6, 7, 8])]
     assert run(server, jobs) == [expected_text(oracle, [5, 6, 7, 8], "r1", n=MAX_NEW)]
-    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, timeout=120)
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body, headers=AUTH, timeout=120)
     assert r.status_code == 400 and "has already been loaded" in r.text  # every replica agrees
     r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "late"},
-                   timeout=120)
+                   headers=AUTH, timeout=120)
     assert r.status_code == 200, r.text
     assert all("late" not in s["loras"] for s in replica_stats(server))
     with pytest.raises(openai.NotFoundError):

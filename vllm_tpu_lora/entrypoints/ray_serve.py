@@ -180,9 +180,12 @@ class EngineReplicaBase:
 class IngressBase:
     """OpenAIIngress's behaviour (build_openai_app adds the FastAPI routes)."""
 
-    def __init__(self, replicas, affinity: bool) -> None:
+    def __init__(self, replicas, affinity: bool, api_key: str | None = None) -> None:
         self.replicas = replicas
         self.affinity = affinity
+        # The replicas check the key on what is forwarded; what the ingress answers
+        # itself (/stats: every replica's adapters and activity) it checks here.
+        self.api_key = api_key
         self.runtime_adapters: dict[str, dict] = {}  # loaded through this ingress
 
     async def replica_stats(self) -> dict:
@@ -352,15 +355,26 @@ def build_openai_app(args: argparse.Namespace, *, num_replicas: int = 1,
     @serve.ingress(app)
     class OpenAIIngress(IngressBase):
         @app.get("/stats")
-        async def stats(self):
+        async def stats(self, request: Request):
             """Each replica's engine stats (adapter residency, loads): routing, observed."""
+            from vllm_tpu_lora.entrypoints.openai.api_server import (
+                UNAUTHORIZED,
+                authorized,
+                error_json,
+            )
+
+            if not authorized(request.headers.get("authorization"), self.api_key):
+                return error_json(UNAUTHORIZED)
             return await self.replica_stats()
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         async def everything_else(self, request: Request, path: str):
             return await self.forward(request)
 
-    return OpenAIIngress.bind(EngineReplica.bind(args), adapter_affinity)
+    from vllm_tpu_lora.config import api_key_from_env
+
+    return OpenAIIngress.bind(EngineReplica.bind(args), adapter_affinity,
+                              args.api_key or api_key_from_env())
 
 
 def run(args: argparse.Namespace) -> int:

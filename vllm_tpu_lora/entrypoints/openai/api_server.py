@@ -71,18 +71,26 @@ class APIKeyMiddleware:
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key
 
     async def __call__(self, scope, receive, send) -> None:
         if (scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"] not in _OPEN_PATHS):
-            got = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(got, self.expected):
-                err = APIError("Unauthorized: missing or invalid API key.",
-                               HTTPStatus.UNAUTHORIZED, "AuthenticationError")
-                await error_json(err)(scope, receive, send)
-                return
+                and scope["path"] not in _OPEN_PATHS
+                and not authorized(Headers(scope=scope).get("authorization"), self.api_key)):
+            await error_json(UNAUTHORIZED)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+
+UNAUTHORIZED = APIError("Unauthorized: missing or invalid API key.", HTTPStatus.UNAUTHORIZED,
+                        "AuthenticationError")
+
+
+def authorized(header: str | None, api_key: str | None) -> bool:
+    """An Authorization header value against the server's key (None: no key set)."""
+    if not api_key:
+        return True
+    return hmac.compare_digest((header or "").encode(), f"Bearer {api_key}".encode())
 
 
 async def _until_disconnect(request: Request) -> None:
