@@ -16,8 +16,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -43,32 +41,18 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    import boto3
-
     from vllm_tpu_lora.testing.factory import make_peft_adapter, make_tiny_llama
-    from vllm_tpu_lora.testing.server import RemoteServer, free_port
+    from vllm_tpu_lora.testing.s3 import LocalS3Server
+    from vllm_tpu_lora.testing.server import RemoteServer
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_llama(os.path.join(tmp, "m"), hidden_size=256, num_layers=2,
                                 num_heads=4, num_kv_heads=2, intermediate_size=512)
         first = make_peft_adapter(model, os.path.join(tmp, "a0"), r=args.rank, seed=0)
-        port = free_port()
-        moto = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"),
-                                 "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "x",
-               "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1",
-               "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-        try:
-            for _ in range(100):
-                try:
-                    httpx.get(env["AWS_ENDPOINT_URL"], timeout=1)
-                    break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
-            s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                              aws_access_key_id="x", aws_secret_access_key="x")
+        with LocalS3Server(os.path.join(tmp, "moto.log")) as store:
+            env = {**store.env, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+            s3 = store.client()
             s3.create_bucket(Bucket="adapters")
             directory = os.path.join(tmp, "dir")
             for i in range(args.trials):
@@ -96,9 +80,6 @@ def main() -> int:
                 rows.append({"row": "s3_downloads", **s3_stats,
                              "ms_per_download": 1e3 * s3_stats["download_seconds"]
                              / max(1, s3_stats["hits"])})
-        finally:
-            moto.terminate()
-            moto.wait(timeout=10)
     for row in rows:
         print(json.dumps(row), flush=True)
         if args.out:

@@ -10,9 +10,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
@@ -25,7 +22,8 @@ from vllm_tpu_lora.lora.resolvers import (
 )
 from vllm_tpu_lora.testing.factory import make_peft_adapter, sample_prompt_token_ids
 from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
-from vllm_tpu_lora.testing.server import RemoteServer, free_port
+from vllm_tpu_lora.testing.s3 import LocalS3Server
+from vllm_tpu_lora.testing.server import RemoteServer
 
 from .conftest import SMALL_ENGINE
 
@@ -37,42 +35,18 @@ HF_REPO = "acme/hf-adapter"
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory):
     """moto's S3 server as a process of its own; its request log counts the fetches."""
-    log = tmp_path_factory.mktemp("s3") / "moto.log"
-    port = free_port()
-    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    with open(log, "w") as out:
-        proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=out,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.get(url, timeout=1)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    yield env, log
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
-def _s3(env):
-    import boto3
-
-    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                        aws_access_key_id="test", aws_secret_access_key="test")
+    with LocalS3Server(str(tmp_path_factory.mktemp("s3") / "moto.log")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def stores(llama_dir, s3_server, tmp_path_factory):
     """Adapters placed where tenants keep them: S3 (two, and a broken one), a directory,
     an offline HF cache (the layout huggingface_hub writes: refs/main -> snapshot)."""
-    env, _ = s3_server
     root = tmp_path_factory.mktemp("resolver_stores")
     made = {name: make_peft_adapter(llama_dir, str(root / "made" / name), r=8, seed=seed)
             for name, seed in [("s3-a", 11), ("s3-b", 12), ("dir-a", 13), ("hf-a", 14)]}
-    s3 = _s3(env)
+    s3 = s3_server.client()
     s3.create_bucket(Bucket=BUCKET)
     for name in ("s3-a", "s3-b"):
         for f in os.listdir(made[name]):
@@ -95,7 +69,7 @@ def stores(llama_dir, s3_server, tmp_path_factory):
     shutil.copytree(made["hf-a"], repo / "snapshots" / ("0" * 40))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)
-    return {"env": env, "made": made, "dir": str(directory), "hf_cache": str(hf_cache),
+    return {"env": s3_server.env, "made": made, "dir": str(directory), "hf_cache": str(hf_cache),
             "cache": str(root / "download_cache")}
 
 
@@ -150,14 +124,13 @@ def server_model_dir(server) -> str:
     return httpx.get(server.url + "/v1/models").json()["data"][0]["root"]
 
 
-def _fetches(log, key: str) -> int:
-    with open(log) as f:
-        return sum(1 for line in f if re.search(rf"GET /{BUCKET}/{PREFIX}/{key}\b", line))
+def _fetches(s3_server, key: str) -> int:
+    return sum(1 for line in s3_server.log().splitlines()
+               if re.search(rf"GET /{BUCKET}/{PREFIX}/{key}\b", line))
 
 
 def test_concurrent_first_requests_fetch_once(server, s3_server):
-    _, log = s3_server
-    assert _fetches(log, "s3-b/adapter_model.safetensors") == 0
+    assert _fetches(s3_server, "s3-b/adapter_model.safetensors") == 0
 
     async def burst():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -167,7 +140,7 @@ def test_concurrent_first_requests_fetch_once(server, s3_server):
     responses = asyncio.run(burst())
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     assert len({r.json()["choices"][0]["text"] for r in responses}) == 1
-    assert _fetches(log, "s3-b/adapter_model.safetensors") == 1
+    assert _fetches(s3_server, "s3-b/adapter_model.safetensors") == 1
     stats = httpx.get(server.url + "/stats").json()["lora_resolvers"]
     s3_stats = stats[0]
     assert s3_stats["resolver"] == "0:S3Resolver" and s3_stats["download_bytes"] > 0
@@ -178,18 +151,17 @@ def test_concurrent_first_requests_fetch_once(server, s3_server):
 
 
 def test_unknown_and_invalid_names(server, s3_server):
-    _, log = s3_server
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nobody-has-this", prompt="x", max_tokens=1)
     assert e.value.body["message"] == "The model `nobody-has-this` does not exist."
-    before = open(log).read().count("GET ")
+    before = s3_server.log().count("GET ")
     for bad in ("../s3-a", "a/../../etc", "/etc/passwd", "a\\b", "x\x00y", ".hidden"):
         r = httpx.post(server.url + "/v1/completions", timeout=60,
                        json={"model": bad, "prompt": "x", "max_tokens": 1})
         assert r.status_code == 400 and "Invalid LoRA adapter name" in r.json()["error"][
             "message"], (bad, r.text)
-    assert open(log).read().count("GET ") == before  # nothing was fetched for them
+    assert s3_server.log().count("GET ") == before  # nothing was fetched for them
 
 
 def test_adapter_for_another_base_model_is_refused_naming_both(server):

@@ -50,10 +50,18 @@ def check_stop(seq: Sequence, eos_token_id: int | None, max_model_len: int) -> S
             return SequenceStatus.FINISHED_STOPPED
         if p.stop_strings and _apply_stop_strings(seq):
             return SequenceStatus.FINISHED_STOPPED
-    max_tokens = p.max_tokens if p.max_tokens is not None else max_model_len
-    if seq.num_output_tokens >= max_tokens or seq.num_tokens >= max_model_len:
+    if length_reached(seq, max_model_len):
         return SequenceStatus.FINISHED_LENGTH
     return None
+
+
+def length_reached(seq: Sequence, max_model_len: float, pending: int = 0) -> bool:
+    """check_stop's length rule, counting `pending` tokens not appended yet (the scheduler
+    asks it about a token still in flight)."""
+    p = seq.params
+    max_tokens = p.max_tokens if p.max_tokens is not None else max_model_len
+    return (seq.num_output_tokens + pending >= max_tokens
+            or seq.num_tokens + pending >= max_model_len)
 
 
 def _apply_stop_strings(seq: Sequence) -> bool:

@@ -30,10 +30,12 @@ sequence preempted with a token in flight waits until the token arrives.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from vllm_tpu_lora.engine.block_manager import BlockManager
+from vllm_tpu_lora.engine.output_processor import length_reached
 from vllm_tpu_lora.engine.prefix_hash import block_hashes, root_hash
 from vllm_tpu_lora.engine.sequence import Sequence, SequenceStatus
 
@@ -135,13 +137,9 @@ class Scheduler:
     def _ends_with_pending(self, seq: Sequence) -> bool:
         """The token in flight brings the sequence to max_tokens or max_model_len (the
         length rule of check_stop): nothing more to compute for it."""
-        if not seq.num_pending_tokens:
-            return False
-        max_tokens = seq.params.max_tokens
-        return ((max_tokens is not None
-                 and seq.num_output_tokens + seq.num_pending_tokens >= max_tokens)
-                or (self.max_model_len is not None
-                    and seq.num_tokens_with_pending >= self.max_model_len))
+        max_model_len = math.inf if self.max_model_len is None else self.max_model_len
+        return bool(seq.num_pending_tokens) and length_reached(seq, max_model_len,
+                                                                seq.num_pending_tokens)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self._set_running(seq, -1)  # keeps its reference: it resumes on the same weights

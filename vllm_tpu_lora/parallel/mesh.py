@@ -85,10 +85,6 @@ class XlaTPMesh:
         return out
 
 
-# The first name of the torch_xla runtime's mesh class, kept for readers of older docs.
-TPMesh = XlaTPMesh
-
-
 class JaxTPMesh:
     """The jax runtime: one mesh [replica, model=G, rep=N // G] over the first D devices,
     G the model's kv groups (every split in the layout is into N or G shards). A split

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 from http import HTTPStatus
 
+from vllm_tpu_lora.config import runtime_lora_updating_allowed
 from vllm_tpu_lora.entrypoints.openai.protocol import (
     APIError,
     BaseModelPath,
@@ -75,8 +77,6 @@ class OpenAIServingModels:
         """resolve(), and for an unknown name the resolvers (when configured and runtime
         adapter loading is allowed): 400 for a name no resolver may see, 404 when none
         has it."""
-        from vllm_tpu_lora.config import runtime_lora_updating_allowed
-
         try:
             return self.resolve(name)
         except APIError:
@@ -123,8 +123,6 @@ class OpenAIServingModels:
 
     def _check_base_model(self, name: str, path: str) -> None:
         """An adapter trained for another model is refused, naming both."""
-        import json
-
         with open(os.path.join(path, "adapter_config.json")) as f:
             base = json.load(f).get("base_model_name_or_path")
         if not base:
