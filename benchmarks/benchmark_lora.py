@@ -47,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--runtime", default="auto", choices=["auto", "torch_xla", "jax"])
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--num-adapters", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--backends", nargs="+", default=["xla"], choices=["xla", "pallas"])
@@ -92,7 +93,8 @@ def engine(model_dir: str, args, **kwargs):
 
     return LLM(model_dir, max_num_seqs=args.max_num_seqs,
                max_model_len=args.prompt_len[1] + args.output_len[1],
-               max_num_batched_tokens=args.max_num_batched_tokens, **kwargs)
+               max_num_batched_tokens=args.max_num_batched_tokens, runtime=getattr(args, "runtime", "auto"),
+               **kwargs)
 
 
 def adapter_load_row(llm, path: str, backend: str) -> dict:

@@ -37,6 +37,29 @@ class CopyPlan:
 
     def __init__(self, copies: list[_Copy]) -> None:
         self.copies = copies
+        self._gather: _Gather | None = None
+        self._gather_for: tuple | None = None
+
+    def image(self, data: bytearray, numel: int, views_of, dtype: torch.dtype) -> torch.Tensor:
+        """One adapter's slot image (`numel` elements of `dtype`; `views_of(flat)` splits a
+        flat image into its views) from its data bytes. Where every tensor of the recipe
+        has one dtype, a single gather of the whole image: the per-tensor copies cost
+        ~15 us of Python each (28 tensors: ~0.45 ms of the loader's ~0.9 ms per adapter,
+        holding the GIL the step also needs); the gather is ~0.1 ms in one torch call."""
+        key = (numel, dtype)
+        if self._gather_for != key:
+            self._gather, self._gather_for = _Gather.build(self.copies, numel, views_of), key
+        g = self._gather
+        if g is None or len(data) % g.src_dtype.itemsize:
+            flat = torch.zeros(numel, dtype=dtype)
+            self.apply(data, views_of(flat))
+            return flat
+        src = torch.frombuffer(data, dtype=g.src_dtype)
+        # Through float32 with the scale folded in, as the whole way goes.
+        vals = src.take(g.index).float().mul_(g.scale)
+        if g.pad is not None:
+            vals.masked_fill_(g.pad, 0.0)
+        return vals.to(dtype)
 
     def apply(self, data: bytearray, views: list[torch.Tensor]) -> None:
         """Write one adapter's tensors (its data bytes) into a zeroed slot image's views."""
@@ -51,6 +74,41 @@ class CopyPlan:
             else:  # B [out, r]: this slice's rows, scaled, into the first r rank rows
                 out = src[c.row_offset:c.row_offset + slot.shape[1]]
                 slot[:cols] = (out.float() * c.scale).T
+
+
+class _Gather(NamedTuple):
+    """A plan as one gather: the image's element i is file element index[i] (of the one
+    file dtype) times scale[i] (1 for A, the module's scale for B), 0 where pad[i]."""
+    src_dtype: torch.dtype
+    index: torch.Tensor  # int64 [numel]
+    scale: torch.Tensor  # float32 [numel]
+    pad: torch.Tensor | None  # bool [numel]; None when the ranks fill the slots
+
+    @staticmethod
+    def build(copies: list[_Copy], numel: int, views_of) -> _Gather | None:
+        dtypes = {c.dtype for c in copies}
+        if len(dtypes) != 1:
+            return None
+        (src_dtype,) = dtypes
+        size = src_dtype.itemsize
+        if any(c.start % size for c in copies):
+            return None
+        index = torch.full((numel,), -1, dtype=torch.int64)
+        scale = torch.ones(numel, dtype=torch.float32)
+        index_views, scale_views = views_of(index), views_of(scale)
+        for c in copies:  # the per-tensor copy of `apply`, writing element numbers
+            rows, cols = c.shape
+            src = torch.arange(c.start // size, c.start // size + rows * cols).view(rows, cols)
+            slot = rank_rows(index_views[c.view], c.rank_first)
+            if c.scale is None:
+                slot[:rows] = src
+            else:
+                slot[:cols] = src[c.row_offset:c.row_offset + slot.shape[1]].T
+                scale_slot = rank_rows(scale_views[c.view], c.rank_first)
+                scale_slot[:cols] = c.scale
+        pad = index < 0
+        index.clamp_(min=0)
+        return _Gather(src_dtype, index, scale, pad if bool(pad.any()) else None)
 
 
 def rank_rows(view: torch.Tensor, rank_first: bool) -> torch.Tensor:

@@ -296,6 +296,8 @@ class AdapterRegistry:
     def _trim(self) -> None:
         """Keep at most max_cpu_loras unreferenced, unpinned host copies: least recently
         used out first, the ones the waiting queue's head needs (prefetched) last."""
+        if len(self._cached) <= self.max_cpu_loras:  # idle copies are among the cached
+            return
         entries = self.entries
         idle = [(i in self._wanted, entries[i].last_used, i) for i in self._cached
                 if not entries[i].refs and not entries[i].pinned]

@@ -264,8 +264,10 @@ class ModelRunner:
         n_fwd = len(forwards)
         bar = tqdm(total=n_fwd + 2 * len(self.request_ladder), desc="Precompiling graphs",
                    unit="graph")
-        if self.lora_manager is not None:  # also compiles the slot-write graph
+        if self.lora_manager is not None:  # also compiles the slot-write graphs
             warm = self.lora_manager.warmup_adapter()
+            for k in self.lora_manager.write_batch_sizes:
+                self.lora_manager.write_slots([(slot, warm) for slot in range(k)])
             for slot in range(self.lora_manager.max_loras):
                 self.lora_manager.write_slot(slot, warm)
         for t_b, s_b, w_b, fallback in forwards:
