@@ -3,7 +3,9 @@ the Pallas path (lora_backend="pallas": per slice of a packed layer a gather int
 segment order, the shrink and expand kernels, a scatter back) and the xla backend's
 strategies on a TPU ("onehot": the step's S active slots' weights copied out, one
 shrink over the slices' concatenated A, a [T, S] one-hot; "single": one adapter), next
-to the base matmuls of the same linears. `--active` also measures steps that use fewer
+to the base matmuls of the same linears, and the fused grouped kernel
+(ops/grouped_lora.py: tokens sorted by slot, slots grouped so their ranks fill 128 lanes,
+shrink and expand in one kernel). `--active` also measures steps that use fewer
 adapters than the N slots. (Runs 4-6 in docs/results/tpu_lora_layer.jsonl also carry
 "dense", a one-hot over all N slots per slice without the weight copy, which lost to
 onehot at every point and left the engine.)
@@ -18,16 +20,30 @@ Rows: part "layer_check" (every composition against a float64 reference, NaN in 
 unused slot for the Pallas path), part "layer" (device ms per layer: base matmuls of
 the four linears, each composition's LoRA delta, and base / (base + delta), the
 linears-only ratio: attention and norms, which LoRA leaves alone, bring a model's
-ratio closer to 1).
+ratio closer to 1), each path's delta also against its roofline (part "roofline": the
+chip's measured bf16 matmul rate and HBM bandwidth; a delta's roofline is its useful
+FLOPs, 2*T*R*(D+O), or its bytes, the active adapters' A and B read once plus x read and
+the delta written, whichever takes longer).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 
 import numpy as np
-from tpu_kernels import _device_ms, emit, load_kernels, load_torch_free
+from tpu_kernels import _device_ms, load_kernels, load_torch_free
+from tpu_kernels import emit as print_row
+
+_OUT: list[str] = []  # --out: the file rows are appended to
+
+
+def emit(row: dict) -> None:
+    print_row(row)
+    for path in _OUT:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 # Llama-3-8B's LoRA linears: (name, in_features, output slices).
 LLAMA3_8B = (("qkv_proj", 4096, (4096, 1024, 1024)), ("o_proj", 4096, (4096,)),
@@ -43,7 +59,18 @@ def step_arrays(jnp, token_slot, n, block):
     arrays = {**step_layout.segment_layout(token_slot, slots, n, block),
               **step_layout.token_slot_layout(token_slot, slots),
               **step_layout.onehot_layout(token_slot, slots, n)}
-    return {k: jnp.asarray(v) for k, v in arrays.items()}
+    out = {k: jnp.asarray(v) for k, v in arrays.items()}
+    out["token_slot"] = jnp.asarray(token_slot, jnp.int32)
+    out["plan"] = None  # built by with_plan once the rank is known
+    return out
+
+
+def with_plan(jnp, lay, n, r):
+    """lay plus the grouped kernel's plan for N slots of rank r (once per step)."""
+    g = load_torch_free("ops.grouped_lora")
+    t = lay["token_slot"].shape[0]
+    plan = g.group_plan(lay["token_slot"], n, g.slots_per_group(n, r), g.token_tile(t))
+    return {**lay, "plan": plan}
 
 
 def compositions(pk, jnp, block, interpret, precision="default"):
@@ -93,7 +120,16 @@ def compositions(pk, jnp, block, interpret, precision="default"):
                   @ bt[active].reshape(-1, bt.shape[2]) for i, bt in enumerate(bt_s)]
         return y + jnp.concatenate(deltas, axis=1).astype(y.dtype)
 
-    return {"per_slice": per_slice, "single": single, "onehot": onehot}
+    grouped_lora = load_torch_free("ops.grouped_lora").grouped_lora
+
+    def grouped(x, y, lay, a_s, bt_s):
+        """ops/grouped_lora.py: A [N, R, D] and B rank-first [N, R, O] as the slot
+        buffers would hold them; the plan (sort, work list) built once per step."""
+        delta = grouped_lora(x, list(zip(a_s, bt_s)), lay["token_slot"], plan=lay["plan"],
+                             interpret=interpret, precision=precision)
+        return y + delta.astype(y.dtype)
+
+    return {"per_slice": per_slice, "single": single, "onehot": onehot, "grouped": grouped}
 
 
 def make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot=None):
@@ -131,10 +167,11 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
     block = bs.token_block(dtype, "pallas", t, n)
     used = [s for s in range(n) if s != 1] if n > 1 else [0]
     token_slot = rng.choice(used + [-1], size=t).astype(np.int32)  # -1: base-model tokens
-    lay = step_arrays(jnp, token_slot, n, block)
+    lay = with_plan(jnp, step_arrays(jnp, token_slot, n, block), n, r)
     precision = "highest" if dtype == "float32" else "default"
     comps = compositions(pk, jnp, block, interpret, precision)
     per_slice = comps.pop("per_slice")
+    grouped = comps.pop("grouped")
     xla_paths = {k: fn for k, fn in comps.items() if k != "single" or len(used) == 1}
     nan_slot = 1 if n > 1 else None  # unused by every token: NaN there must not leak
     for name, d, sizes in linears:
@@ -144,6 +181,10 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
         got = {"per_slice": np.asarray(per_slice(x, y, lay, a_s, b_s).astype(jnp.float32),
                                        np.float64)}
         at_s, bt_s = transposed(jnp, a_s, b_s, nan_slot)
+        # The grouped kernel reads A as given (NaN in the unused slot: dropped by its
+        # select) and B rank-first with that slot zeroed (the engine's free slots).
+        got["grouped"] = np.asarray(grouped(x, y, lay, a_s, bt_s).astype(jnp.float32),
+                                    np.float64)
         with jax_precision(precision):
             for what, fn in xla_paths.items():
                 got[what] = np.asarray(fn(x, y, lay, at_s, bt_s).astype(jnp.float32), np.float64)
@@ -166,20 +207,22 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
                   ok=bool(max(errs.values()) < tol and base_rows_zero and finite)))
 
 
-def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, interpret):
+def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, interpret,
+                chip, wanted=("per_slice", "onehot", "grouped", "single")):
     """N device slots, `active` of them used by this step's tokens (what the Pallas
     path's layout and onehot's graph bucket are sized by)."""
     rng = np.random.default_rng(0)
     jt = jnp.dtype(dtype)
     block = bs.token_block(dtype, "pallas", t, active)
     token_slot = rng.integers(0, active, size=t).astype(np.int32)  # every token on an adapter
-    lay = step_arrays(jnp, token_slot, active, block)
+    lay = with_plan(jnp, step_arrays(jnp, token_slot, active, block), n, r)
     comps = compositions(pk, jnp, block, interpret)
     xla = load_torch_free("lora.step_layout").xla_strategy(t, active, n, on_tpu=True)
     row = dict(part="layer", T=t, N=n, active=active, R=r, dtype=dtype, block=block,
                xla_strategy=xla)
-    paths = ("per_slice", "onehot") + (("single",) if active == 1 else ())
-    totals = dict.fromkeys(("base",) + paths, 0.0)
+    paths = tuple(p for p in ("per_slice", "onehot", "grouped") if p in wanted) + (
+        ("single",) if active == 1 and "single" in wanted else ())
+    totals = dict.fromkeys(("base", "roofline") + paths, 0.0)
     for name, d, sizes in linears:
         a_s, b_s = make_adapters(jnp, rng, n, d, sizes, r, jt)
         at_s, bt_s = transposed(jnp, a_s, b_s)
@@ -189,9 +232,14 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
         # The base output and the layout are arguments, not constants XLA could fold.
         y0 = jnp.asarray(rng.standard_normal((t, sum(sizes))), jt)
         fns = {"base": (lambda x, w: x @ w, (w,)),
-               **{k: (fn, (y0, lay, a_s, b_s) if k == "per_slice" else (y0, lay, at_s, bt_s))
+               **{k: (fn, (y0, lay, a_s, b_s) if k == "per_slice" else
+                      (y0, lay, a_s, bt_s) if k == "grouped" else (y0, lay, at_s, bt_s))
                   for k, fn in comps.items()}}
-        for what in totals:
+        o = sum(sizes)
+        roof = roofline_ms(chip, t, d, o, r, active, jt.itemsize)
+        row[f"{name}_roofline_ms"] = round(roof, 4)
+        totals["roofline"] += roof
+        for what in ("base",) + paths:
             fn, rest = fns[what]
             ms = _device_ms(jax, fn, xs, rest, reps)
             row[f"{name}_{what}_ms"] = round(ms, 4)
@@ -200,12 +248,38 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
         row[f"layer_{what}_ms"] = round(ms, 4)
     for what in paths:
         row[f"ratio_{what}"] = round(totals["base"] / (totals["base"] + totals[what]), 3)
+        row[f"{what}_vs_roofline"] = round(totals[what] / totals["roofline"], 2)
+    if "grouped" in totals and "onehot" in totals:
+        row["grouped_vs_onehot"] = round(totals["grouped"] / totals["onehot"], 3)
     emit(row)
+
+
+def roofline_ms(chip, t, d, o, r, active, itemsize) -> float:
+    """The delta's least time: useful FLOPs at the measured matmul rate, or its bytes
+    (active adapters' weights once, x in, delta out) at the measured bandwidth."""
+    flops = 2 * t * r * (d + o)
+    nbytes = (active * r * (d + o) + t * (d + o)) * itemsize
+    return 1e3 * max(flops / chip["flops_per_s"], nbytes / chip["bytes_per_s"])
+
+
+def chip_rates(jax, jnp, interpret: bool) -> dict:
+    """Measured bf16 matmul FLOP/s (an 8192^3 product; 1024^3 under --interpret) and HBM
+    bytes/s (x + 1 over 512 MiB: read and written once)."""
+    n = 1024 if interpret else 8192
+    a = jnp.ones((n, n), jnp.bfloat16)
+    ms = _device_ms(jax, lambda x, b: x @ b, a[None], (a,), 5)
+    big = jnp.ones((1, (32 if interpret else 512) << 19), jnp.bfloat16)
+    copy_ms = _device_ms(jax, lambda x: x + 1, big, (), 5)
+    return {"flops_per_s": 2 * n ** 3 / (ms / 1e3),
+            "bytes_per_s": 2 * big.size * 2 / (copy_ms / 1e3)}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="check,bench")
+    p.add_argument("--out", default=None, help="append the JSON rows to this file too")
+    p.add_argument("--paths", nargs="+", default=["per_slice", "onehot", "grouped", "single"],
+                   help="the LoRA compositions to bench (the base matmuls always)")
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (no TPU)")
     p.add_argument("--quick", action="store_true", help="tiny shapes only (a smoke run)")
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024])
@@ -218,6 +292,7 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=32, help="most inputs per dispatch")
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args(argv)
+    _OUT[:] = [args.out] if args.out else []
     import jax
     import jax.numpy as jnp
 
@@ -233,12 +308,15 @@ def main(argv=None):
                 for dtype in ("float32", "bfloat16"):
                     layer_check(pk, bs, jnp, linears, t, n, r, dtype, args.interpret)
     if "bench" in parts:
+        chip = chip_rates(jax, jnp, args.interpret)
+        emit(dict(part="roofline", matmul_tflops=round(chip["flops_per_s"] / 1e12, 1),
+                  hbm_gb_per_s=round(chip["bytes_per_s"] / 1e9, 1)))
         grid = [(16, 2, a, 16) for a in (2, 1)] if args.quick else [
             (t, n, a, r) for r in args.ranks for t in args.tokens for n in args.slots
             for a in sorted({n, *(a for a in args.active if a < n)}, reverse=True)]
         for t, n, a, r in grid:
             layer_bench(pk, bs, jax, jnp, linears, t, n, a, r, args.dtype, args.k, args.reps,
-                        args.interpret)
+                        args.interpret, chip, args.paths)
 
 
 if __name__ == "__main__":

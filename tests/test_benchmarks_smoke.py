@@ -91,10 +91,12 @@ def test_tpu_lora_layer_script_runs_without_torch():
     assert all(r["ok"] for r in checks), checks
     layers = {r["active"]: r for r in rows if r["part"] == "layer"}
     assert sorted(layers) == [1, 2], layers  # a step using both slots, then one of them
+    assert all("grouped_rel_err" in r for r in checks)  # the fused grouped kernel too
     for active, layer in layers.items():
-        paths = ["per_slice", "onehot"] + (["single"] if active == 1 else [])
-        assert all(layer[f"layer_{what}_ms"] > 0 for what in ["base", *paths]), layer
+        paths = ["per_slice", "onehot", "grouped"] + (["single"] if active == 1 else [])
+        assert all(layer[f"layer_{what}_ms"] > 0 for what in ["base", "roofline", *paths]), layer
         assert all(0 < layer[f"ratio_{what}"] < 1 for what in paths), layer
+        assert all(layer[f"{what}_vs_roofline"] > 0 for what in paths), layer
 
 
 def test_replay_buckets_small_replays_slots_and_fallback_graphs():

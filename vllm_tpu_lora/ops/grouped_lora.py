@@ -1,0 +1,217 @@
+"""The LoRA delta as one fused Pallas kernel over adapter groups: cost that follows the
+work at any number of adapters in a step. JAX only (no torch import), like
+pallas_kernels.py.
+
+Why (issue 42, measured on a v5e): XLA's one-hot product multiplies every token by all
+S active adapters' A (an S*R-wide matmul that fills the MXU) and masks, so its FLOPs grow
+as T*S*R*(D+O); the segment kernels (pallas_kernels.py) pad each adapter's tokens to a
+token block and run a rank-R-wide matmul per block, which leaves the 128-lane MXU 1/8
+used at rank 16 and pads 8 tokens of an adapter to a whole block.
+
+Formulation. Tokens are sorted by slot (one argsort per step) and cut into tiles of TM
+rows. Slots are grouped G at a time so that a group's ranks fill 128 lanes (G = 128 / R
+at rank 16: 8 slots): a group's A is [G*R, D] and its B [G*R, O], free reshapes of the
+stacked slot buffers A [S, R, D] and B [S, R, O] (rank-first). Sorted tokens of one tile
+touch a contiguous run of groups, so the kernel visits (tile, group) work items, in
+order, each:
+
+    y   = x_tile [TM, D] @ A_g.T           one MXU-wide shrink, [TM, G*R]
+    y  *= (slot of row == slot of lane)     keep each token's own adapter's ranks
+    acc += y @ B_g                          the expand, accumulated in VMEM
+
+and writes acc once per tile: shrink and expand fused, the [T, R] intermediate never
+goes to HBM, each active group's weights read once per tile that uses it. The work
+list has at most tiles + groups - 1 items (a tile's run of groups overlaps the next
+tile's in at most one group); the grid is that static bound and the items past the
+real count re-point their index maps at the last item's blocks (no DMA) and skip the
+math. FLOPs: 2 * items * TM * G*R * (D + O), against one-hot's 2 * T * S*R * (D + O).
+
+A tile reads only the groups its tokens use, but a group can hold a slot no token of the
+tile uses. Its A lanes are dropped by a select (NaN there cannot leak); its B rows meet
+exact zeros in y, so they must be finite: the engine's slot buffers are (every image is
+checked finite before it is written, free slots are zero).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from vllm_tpu_lora.ops import vmem
+from vllm_tpu_lora.ops.pallas_kernels import PRECISIONS, _check_precision, _nt_dot
+
+LANES = 128  # MXU width on every TPU generation: a group's ranks fill it
+MAX_TILE = 128  # token rows per tile (more only re-reads fewer weights; VMEM grows)
+# Budget for one kernel instance's blocks: the O tile shrinks until the estimate fits.
+VMEM_BUDGET_BYTES = 32 * vmem.MiB
+
+
+def slots_per_group(num_slots: int, rank: int) -> int:
+    """G: the most slots (a power of two dividing num_slots) whose ranks fit 128 lanes."""
+    g = 1
+    while num_slots % (2 * g) == 0 and 2 * g * rank <= LANES:
+        g *= 2
+    return g
+
+
+def token_tile(num_tokens: int) -> int:
+    """TM: the whole step up to 128 tokens (rounded up to 16 rows, bfloat16's sublane
+    tile), else 128."""
+    return min(MAX_TILE, -(-num_tokens // 16) * 16)
+
+
+class GroupPlan(NamedTuple):
+    """One step's sorted order and work list, shared by every linear of the step."""
+    order: jax.Array  # int32 [T_pad]: sorted row -> token (rows >= T: padding)
+    inverse: jax.Array  # int32 [T]: token -> sorted row
+    sorted_slot: jax.Array  # int32 [T_pad, 1]: slot of each sorted row, -1 for none
+    work_tile: jax.Array  # int32 [W]
+    work_group: jax.Array  # int32 [W]
+    work_live: jax.Array  # int32 [W]: 1 for an item to compute, 0 to skip
+
+
+def group_plan(token_slot: jax.Array, num_slots: int, group: int, tile: int) -> GroupPlan:
+    """The plan for tokens on slots token_slot [T] (-1: no adapter) of num_slots slots,
+    grouped `group` at a time, in tiles of `tile` sorted rows. Static shapes only."""
+    t = token_slot.shape[0]
+    t_pad = -(-t // tile) * tile
+    n_tiles, n_groups = t_pad // tile, num_slots // group
+    key = jnp.where(token_slot < 0, num_slots, token_slot).astype(jnp.int32)
+    key = jnp.pad(key, (0, t_pad - t), constant_values=num_slots)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sorted_key = key[order]
+    inverse = jnp.zeros(t_pad, jnp.int32).at[order].set(jnp.arange(t_pad, dtype=jnp.int32))
+    tiles = sorted_key.reshape(n_tiles, tile)
+    used = tiles < num_slots
+    any_used = used.any(axis=1)
+    g_lo = jnp.where(any_used, jnp.min(jnp.where(used, tiles, num_slots), axis=1) // group, 0)
+    g_hi = jnp.where(any_used, jnp.max(jnp.where(used, tiles, -1), axis=1) // group, 0)
+    count = g_hi - g_lo + 1  # a tile without adapter tokens still gets one (skipped) item
+    ends = jnp.cumsum(count)
+    n_work = n_tiles + n_groups - 1
+    w = jnp.arange(n_work, dtype=jnp.int32)
+    real = w < ends[-1]
+    w_tile = jnp.minimum(jnp.searchsorted(ends, w, side="right"), n_tiles - 1).astype(jnp.int32)
+    w_group = jnp.where(real, g_lo[w_tile] + w - (ends[w_tile] - count[w_tile]), g_hi[-1])
+    live = real & any_used[w_tile]
+    sorted_slot = jnp.where(sorted_key < num_slots, sorted_key, -1)[:, None]
+    return GroupPlan(order, inverse[:t], sorted_slot, w_tile, w_group.astype(jnp.int32),
+                     live.astype(jnp.int32))
+
+
+def _kernel(tile_ref, group_ref, live_ref, x_ref, slot_ref, a_ref, b_ref, o_ref, acc_ref, *,
+            group, rank, precision):
+    w, n = pl.program_id(1), pl.num_programs(1)
+    tile = tile_ref[w]
+    first = (w == 0) | (tile_ref[jnp.maximum(w - 1, 0)] != tile)
+    last = (w == n - 1) | (tile_ref[jnp.minimum(w + 1, n - 1)] != tile)
+
+    @pl.when(first)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(live_ref[w] != 0)
+    def _accumulate():
+        y = _nt_dot(x_ref[...], a_ref[...], precision)  # [TM, G*R] float32
+        lane = jax.lax.broadcasted_iota(jnp.int32, (1, group * rank), 1)
+        own = slot_ref[...] == group_ref[w] * group + lane // rank
+        y = jnp.where(own, y, 0.0).astype(x_ref.dtype)
+        acc_ref[...] += jax.lax.dot_general(
+            y, b_ref[...], (((1,), (0,)), ((), ())),
+            precision=PRECISIONS[precision] if y.dtype == jnp.float32 else None,
+            preferred_element_type=jnp.float32)
+
+    @pl.when(last)
+    def _store():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def vmem_bytes(tile: int, d: int, o_tile: int, lanes: int, dtype) -> int:
+    """Estimated VMEM of one instance (the rules of ops/vmem.py): double-buffered x, slot,
+    A, B and output blocks, the float32 accumulator, and the temporaries (y in float32
+    and cast, the expand's float32 result, A relaid out for the NT shrink)."""
+    s, pad = vmem.itemsize(dtype), vmem.padded_block_bytes
+    blocks = (pad(tile, d, s) + pad(tile, 1, 4) + pad(lanes, d, s) + pad(lanes, o_tile, s)
+              + pad(tile, o_tile, s))
+    temps = pad(tile, lanes, 4) + pad(tile, lanes, s) + pad(tile, o_tile, 4) + pad(d, lanes, s)
+    return 2 * blocks + pad(tile, o_tile, 4) + temps
+
+
+def output_tile(tile: int, d: int, o: int, lanes: int, dtype) -> int:
+    """The widest O tile (O itself, else O / 2^k while a multiple of 128) within the
+    budget: every O tile recomputes the shrink, so fewer is cheaper."""
+    o_tile = o
+    while (vmem_bytes(tile, d, o_tile, lanes, dtype) > VMEM_BUDGET_BYTES
+           and o_tile % 2 == 0 and (o_tile // 2) % 128 == 0):
+        o_tile //= 2
+    limit = vmem.required_limit_bytes(vmem_bytes(tile, d, o_tile, lanes, dtype))
+    if limit > vmem.VMEM_LIMIT_CEILING_BYTES:
+        raise ValueError(f"grouped_lora: D={d}, O={o} at {lanes} lanes, tile {tile} "
+                         f"{vmem.dtype_name(dtype)} need ~{limit // vmem.MiB} MiB of VMEM, "
+                         f"more than the {vmem.VMEM_LIMIT_CEILING_BYTES // vmem.MiB} MiB allowed")
+    return o_tile
+
+
+@functools.partial(jax.jit, static_argnames=("group", "tile", "o_tile", "interpret", "precision"))
+def grouped_kernel(plan: GroupPlan, xs, lora_a, lora_b, *, group, tile, o_tile=None,
+                   interpret=False, precision="default"):
+    """Semantics: out[r] = xs[r] @ A[s].T @ B[s] for sorted row r on slot s =
+    plan.sorted_slot[r], 0 where s = -1.
+
+    Shapes: xs [T_pad, D] (sorted rows), lora_a [S, R, D], lora_b [S, R, O] (rank-first)
+    -> [T_pad, O] (xs.dtype), float32 accumulation."""
+    (t_pad, d), (s, r, o) = xs.shape, lora_b.shape
+    if lora_a.shape != (s, r, d) or s % group or t_pad % tile:
+        raise ValueError(f"grouped_kernel: xs {xs.shape}, lora_a {lora_a.shape}, lora_b "
+                         f"{lora_b.shape}, group {group}, tile {tile} do not match [T_pad, D], "
+                         "[S, R, D], [S, R, O] with S % group == 0, T_pad % tile == 0")
+    _check_precision(precision)
+    lanes = group * r
+    o_tile = output_tile(tile, d, o, lanes, xs.dtype) if o_tile is None else o_tile
+    limit = vmem.explicit_vmem_limit(vmem_bytes(tile, d, o_tile, lanes, xs.dtype))
+    a_g = lora_a.astype(xs.dtype).reshape(s // group, lanes, d)  # free: contiguous
+    b_g = lora_b.astype(xs.dtype).reshape(s // group, lanes, o)
+    n_work = plan.work_tile.shape[0]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(o // o_tile, n_work),
+        in_specs=[
+            pl.BlockSpec((tile, d), lambda j, w, t, g, v: (t[w], 0)),
+            pl.BlockSpec((tile, 1), lambda j, w, t, g, v: (t[w], 0)),
+            pl.BlockSpec((None, lanes, d), lambda j, w, t, g, v: (g[w], 0, 0)),
+            pl.BlockSpec((None, lanes, o_tile), lambda j, w, t, g, v: (g[w], 0, j)),
+        ],
+        out_specs=pl.BlockSpec((tile, o_tile), lambda j, w, t, g, v: (t[w], j)),
+        scratch_shapes=[pltpu.VMEM((tile, o_tile), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_kernel, group=group, rank=r, precision=precision),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((t_pad, o), xs.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=limit),
+        interpret=interpret,
+        name="lora_grouped",
+    )(plan.work_tile, plan.work_group, plan.work_live, xs, plan.sorted_slot, a_g, b_g)
+
+
+def grouped_lora(x, weights, token_slot, *, plan=None, interpret=False, precision="default"):
+    """The LoRA delta of every slice of a linear: [T, sum of O] (x.dtype), token t's slice
+    i = x[t] @ A_i[s].T @ B_i[s] for s = token_slot[t], 0 where s = -1.
+
+    x [T, D]; weights [(A [S, R, D], B [S, R, O_i]), ...] (one pair per output slice);
+    token_slot int32 [T]. The plan (group_plan) may be passed in, built once per step."""
+    s, r = weights[0][0].shape[:2]
+    group, tile = slots_per_group(s, r), token_tile(x.shape[0])
+    if plan is None:
+        plan = group_plan(token_slot, s, group, tile)
+    xs = jnp.take(x, jnp.minimum(plan.order, x.shape[0] - 1), axis=0)
+    outs = [grouped_kernel(plan, xs, a, b, group=group, tile=tile, interpret=interpret,
+                           precision=precision) for a, b in weights]
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    return jnp.take(out, plan.inverse, axis=0)
