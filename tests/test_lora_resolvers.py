@@ -22,7 +22,7 @@ from vllm_tpu_lora.lora.resolvers import (
 )
 from vllm_tpu_lora.testing.factory import make_peft_adapter, sample_prompt_token_ids
 from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
-from vllm_tpu_lora.testing.s3 import LocalS3Server
+from vllm_tpu_lora.testing.s3 import CuttingProxy, LocalS3Server
 from vllm_tpu_lora.testing.server import RemoteServer
 
 from .conftest import SMALL_ENGINE
@@ -37,6 +37,14 @@ def s3_server(tmp_path_factory):
     """moto's S3 server as a process of its own; its request log counts the fetches."""
     with LocalS3Server(str(tmp_path_factory.mktemp("s3") / "moto.log")) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def proxy(s3_server):
+    """The server reaches S3 through this proxy, which breaks every download of the
+    `cut` adapter's weights mid-way (the connection dropped after 2 KB)."""
+    with CuttingProxy(s3_server.port, f"/{BUCKET}/{PREFIX}/cut/adapter_model.safetensors") as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +64,9 @@ def stores(llama_dir, s3_server, tmp_path_factory):
                    f"{PREFIX}/broken/adapter_config.json")
     s3.put_object(Bucket=BUCKET, Key=f"{PREFIX}/broken/adapter_model.safetensors",
                   Body=b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": ")
+    # Whole in the store; its downloads are cut mid-way by the proxy.
+    for f in os.listdir(made["s3-a"]):
+        s3.upload_file(os.path.join(made["s3-a"], f), BUCKET, f"{PREFIX}/cut/{f}")
     directory = root / "dir"
     shutil.copytree(made["dir-a"], directory / "dir-a")
     # An adapter trained for another model (its config says so).
@@ -74,13 +85,14 @@ def stores(llama_dir, s3_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, stores):
+def server(llama_dir, stores, proxy):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL_ENGINE.items()]
     args = ["--model", llama_dir, "--served-model-name", "base", *flags, "--enable-lora",
             "--max-loras", "2", "--lora-resolver-uri", f"s3://{BUCKET}/{PREFIX}",
             "--lora-resolver-uri", stores["dir"], "--lora-resolver-uri",
             f"hf-cache://{stores['hf_cache']}", "--lora-resolver-cache-dir", stores["cache"]]
-    env = {**stores["env"], "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    env = {**stores["env"], "AWS_ENDPOINT_URL": proxy.url,
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     with RemoteServer(args, env=env) as srv:
         yield srv
 
@@ -189,6 +201,35 @@ def test_broken_adapter_fails_alone(server, oracle, stores):
     tok = AutoTokenizer.from_pretrained(server_model_dir(server))
     [exp] = hf_greedy(oracle, [PROMPTS[1]], MAX_TOKENS, adapter_names=[None])
     assert ok.json()["choices"][0]["text"] == _text(tok, exp.token_ids)
+
+
+def test_download_cut_mid_way_fails_alone(server, oracle, stores, proxy):
+    """A download that breaks mid-transfer fails only the requests for that adapter (503,
+    naming it) and leaves nothing in the download cache; the other tenants' requests,
+    running at the same time, are unchanged."""
+    async def together():
+        async with httpx.AsyncClient(timeout=120) as client:
+            def post(model, prompt):
+                return client.post(server.url + "/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True})
+            return await asyncio.gather(post("cut", PROMPTS[0]), post("base", PROMPTS[0]),
+                                        post("s3-a", PROMPTS[1]), post("cut", PROMPTS[1]))
+    cut, base, other, cut_again = asyncio.run(together())
+    assert proxy.cuts >= 1
+    for r in (cut, cut_again):
+        assert r.status_code == 503 and "Loading lora cut failed" in r.text, r.text
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server_model_dir(server))
+    exp_base, exp_other = hf_greedy(oracle, [PROMPTS[0], PROMPTS[1]], MAX_TOKENS,
+                                    adapter_names=[None, "s3-a"])
+    assert base.json()["choices"][0]["text"] == _text(tok, exp_base.token_ids)
+    assert other.json()["choices"][0]["text"] == _text(tok, exp_other.token_ids)
+    left = os.listdir(stores["cache"])
+    assert not any("cut" in d or ".partial" in d for d in left), left
+    models = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+    assert "cut" not in models
 
 
 def test_name_checks_and_cache_bound(tmp_path):

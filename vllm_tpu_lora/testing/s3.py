@@ -54,3 +54,81 @@ class LocalS3Server:
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
+
+
+class CuttingProxy:
+    """A TCP proxy in front of an HTTP server that breaks one object's downloads mid-way:
+    after a request whose line contains `cut_path`, it passes on `keep_bytes` of the
+    answer (headers and the start of the body) and then drops the connection, as a
+    network failure would. Everything else is passed through unchanged."""
+
+    def __init__(self, upstream_port: int, cut_path: str, keep_bytes: int = 2048) -> None:
+        import socket
+        import threading
+
+        self.upstream_port, self.cut, self.keep = upstream_port, cut_path.encode(), keep_bytes
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cuts = 0  # downloads broken so far
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._threading, self._socket = threading, socket
+        self._closed = False
+
+    def __enter__(self) -> CuttingProxy:
+        self._threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._closed = True
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = self._socket.create_connection(("127.0.0.1", self.upstream_port))
+            state = {"budget": None}  # bytes of the answer still passed on after a cut request
+            self._threading.Thread(target=self._requests, args=(client, upstream, state),
+                                   daemon=True).start()
+            self._threading.Thread(target=self._answers, args=(upstream, client, state),
+                                   daemon=True).start()
+
+    def _requests(self, src, dst, state) -> None:
+        try:
+            while data := src.recv(65536):
+                if self.cut in data:
+                    state["budget"] = self.keep
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(src, dst)
+
+    def _answers(self, src, dst, state) -> None:
+        try:
+            while data := src.recv(65536):
+                budget = state["budget"]
+                if budget is not None:
+                    if len(data) >= budget:
+                        dst.sendall(data[:budget])
+                        self.cuts += 1
+                        break
+                    state["budget"] = budget - len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(src, dst)
+
+
+def _close(*socks) -> None:
+    import socket
+
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
