@@ -98,6 +98,35 @@ def test_mosaic_kernels_match_reference(t, r, n, dtype):
     torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("t,s,r,d,o,dtype", [
+    (16, 8, 16, 256, 384, "float32"), (300, 32, 16, 512, 1024, "bfloat16"),
+    (1024, 128, 16, 4096, 4096, "bfloat16"), (256, 32, 64, 4096, 14336, "bfloat16")])
+def test_grouped_kernel_on_mosaic_matches_float64(t, s, r, d, o, dtype):
+    """The fused grouped kernel (ops/grouped_lora.py) compiled by Mosaic, up to
+    Llama-3-8B widths and 128 slots, against float64 numpy: the interpreter's CPU test
+    (tests/test_ops_grouped.py) cannot show what Mosaic accepts."""
+    import jax.numpy as jnp
+
+    from vllm_tpu_lora.ops.grouped_lora import grouped_lora
+
+    rng = np.random.default_rng(t + s)
+    slots = np.where(rng.random(t) < 0.1, -1, rng.integers(0, s, size=t))
+    x = rng.standard_normal((t, d))
+    a, b = rng.standard_normal((s, r, d)) / np.sqrt(d), rng.standard_normal((s, r, o)) / np.sqrt(r)
+    jx, ja, jb = (jnp.asarray(v, dtype) for v in (x, a, b))
+    precision = "highest" if dtype == "float32" else "default"
+    got = np.asarray(grouped_lora(jx, [(ja, jb)], jnp.asarray(slots, jnp.int32),
+                                  precision=precision).astype(jnp.float32), np.float64)
+    x64, a64, b64 = (np.asarray(v.astype(jnp.float32), np.float64) for v in (jx, ja, jb))
+    ref = np.zeros((t, o))
+    for slot in set(slots.tolist()) - {-1}:
+        rows = slots == slot
+        ref[rows] = x64[rows] @ a64[slot].T @ b64[slot]
+    assert np.all(got[slots < 0] == 0)
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < tol
+
+
 def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
     from vllm_tpu_lora.layers.attention import attention_backend, paged_attention_tpu
     from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model

@@ -55,9 +55,11 @@ class LoRALinear(nn.Module):
         self.punica = punica
         self.output_slices = list(getattr(base, "output_sizes", [base.out_features]))
         self.in_features = base.in_features
-        # Slots as PEFT's lora_A [R, in] / lora_B [out, R], or both transposed where the
-        # punica wrapper's ops read them so (see PunicaWrapper.weights_transposed).
-        self.a_by_input = self.b_by_rank = punica.weights_transposed
+        # Slots as PEFT's lora_A [R, in] / lora_B [out, R], or transposed where the punica
+        # wrapper's ops read them so: both on the xla fused path (weights_transposed), B
+        # alone for the grouped Pallas kernel (grouped_kernel).
+        self.a_by_input = punica.weights_transposed
+        self.b_by_rank = punica.weights_transposed or punica.grouped_kernel
         for i, size in enumerate(self.output_slices):
             a_shape = ((self.in_features, max_rank) if self.a_by_input
                        else (max_rank, self.in_features))

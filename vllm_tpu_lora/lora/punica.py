@@ -35,10 +35,13 @@ would copy every slot's weights):
     one-hot over the adapters with many tokens plus a gathered bgmv over the rows of the
     rest. (A grouped matmul on the step's segment layout, tokens grouped by adapter and
     runs padded to a token block B, FLOPs T_pad*R*(D+O), is there when forced.)
-  - pallas: the Pallas kernels on the segment layout, the block -> slot map scalar-
-    prefetched, so each block's BlockSpec fetches its adapter straight from the buffers;
-    per slice, a gather of x into segment order before and a scatter of the output back
-    to token order after (what costs most on a TPU, benchmarks/tpu_lora_layer.py).
+  - pallas: the linears run the fused grouped kernel (ops/grouped_lora.py: tokens sorted
+    by slot, slots grouped so their ranks fill 128 lanes, shrink, mask and expand of a
+    tile in one kernel, B held rank-first); the embedding's expand stays on the segment
+    kernels (the block -> slot map scalar-prefetched, each block's BlockSpec fetching its
+    adapter straight from the buffers). The segment path for the linears, with its
+    gather into segment order and scatter back per slice, lost to onehot at every shape
+    measured on a v5e (benchmarks/tpu_lora_layer.py).
 Tensor parallel: per-slice ops on the active slots' weights, so each slice stays sharded
 like its lora_b (see lora/layers.py `forward_slices`); the layout is built on the device.
 """
@@ -90,6 +93,12 @@ class PunicaWrapper:
         self._ones = None
 
     @property
+    def grouped_kernel(self) -> bool:
+        """The linears run the fused grouped Pallas kernel, which reads B rank-first
+        ([N, R, O]) and A as PEFT's ([N, R, D]): the pallas backend's fused path."""
+        return self.backend == "pallas" and self.fuse_slices
+
+    @property
     def weights_transposed(self) -> bool:
         """Slot buffers as [N, D, R] (A) and [N, R, O] (B): the xla backend's fused path.
         The layers allocate, and the LoRA manager writes, their buffers this way."""
@@ -129,7 +138,8 @@ class PunicaWrapper:
         if strategy == "split":
             return step_layout.split_layout(token_pos, active_slots, num_slots)
         arrays = step_layout.onehot_layout(token_pos, active_slots, num_slots)
-        if self.fuse_slices and self.backend == "pallas":
+        if self.grouped_kernel:  # the linears' token slots; the embedding's segment layout
+            arrays.update(step_layout.token_slot_layout(token_pos, active_slots))
             arrays.update(step_layout.segment_layout(token_pos, active_slots, num_slots, block))
         return arrays  # one-hot, Pallas (its SegmentLayout carries idx), tensor parallel
 
@@ -396,14 +406,13 @@ class PunicaWrapper:
         return logits + delta.to(logits.dtype)
 
     def _pallas_linear(self, y, x, lora_a, lora_b, output_slices) -> torch.Tensor:
-        layout = self._host_layout()
-        ones = torch.ones(lora_a[0].shape[0], dtype=x.dtype, device=x.device)
-        offset = 0
-        for a, b, size in zip(lora_a, lora_b, output_slices):
-            ys = ops.segment_shrink(x, a, layout, ones, backend="pallas")
-            y = ops.segment_expand(ys, b, layout, y, offset, size, backend="pallas")
-            offset += size
-        return y
+        """The fused grouped kernel (ops/grouped_lora.py) over the buffers as they lie
+        (A [N, R, D], B rank-first [N, R, O]: `grouped_kernel`)."""
+        from vllm_tpu_lora.ops.bgmv_pallas import grouped_linear
+
+        delta = grouped_linear(x, self.step["token_slot"], self.step["token_valid"], lora_a,
+                               lora_b)
+        return y + delta.to(y.dtype)
 
     def _host_layout(self) -> ops.SegmentLayout:
         st = self.step

@@ -22,6 +22,7 @@ from vllm_tpu_lora.ops.bgmv_xla import (
     scatter_back,
 )
 from vllm_tpu_lora.ops.block_sizes import kernel_blocks, pallas_compute_dtype
+from vllm_tpu_lora.ops.grouped_lora import grouped_delta, grouped_delta_one
 from vllm_tpu_lora.ops.pallas_kernels import (  # noqa: F401  (re-exported for callers/tests)
     expand_kernel,
     expand_pallas_call,
@@ -117,6 +118,56 @@ def _expand_op(
 @_expand_op.register_fake
 def _(block_slot, ys, lora_b, block, block_o, interpret):
     return ys.new_empty((ys.shape[0], lora_b.shape[1]))
+
+
+@torch.library.custom_op("vllm_tpu_lora::lora_grouped_kernel", mutates_args=())
+def _grouped_op(
+    token_slot: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    interpret: bool,
+) -> torch.Tensor:
+    precision = _matmul_precision()
+    fn = _bound(grouped_delta_one, interpret=interpret, precision=precision)
+    return _call_jax(fn, (x, token_slot, lora_a, lora_b))
+
+
+@_grouped_op.register_fake
+def _(token_slot, x, lora_a, lora_b, interpret):
+    return x.new_empty((x.shape[0], lora_b.shape[2]))
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_valid: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    *,
+    interpret: bool | None = None,
+) -> torch.Tensor:
+    """Semantics: delta[t] = concat_i(x[t] @ lora_a[i][s].T @ lora_b[i][s]) for the device
+    slot s = token_slot[t] where token_valid[t], else 0 (ops/grouped_lora.py's fused
+    kernel: tokens sorted by slot, slot groups filling 128 lanes).
+
+    Shapes: x [T, D], lora_a[i] [N, R, D], lora_b[i] [N, R, O_i] (rank-first) ->
+    [T, sum O_i] (x.dtype). On the jax runtime every slice in one call (one sort of the
+    tokens); on torch_xla a custom op per slice."""
+    interpret = default_interpret() if interpret is None else interpret
+    cdt = _compute_dtype(x.dtype)
+    slot = torch.where(token_valid, token_slot.to(torch.int32),
+                       torch.full_like(token_slot, -1, dtype=torch.int32))
+    xs = x.to(cdt)
+    if is_torchax_tensor(x):
+        from torchax import interop
+
+        fn = _bound(grouped_delta, interpret=interpret, precision=jax_matmul_precision())
+        weights = [(a.to(cdt), b.to(cdt)) for a, b in zip(lora_a, lora_b)]
+        return interop.call_jax(traced_without_x64(fn), xs, slot, weights).to(x.dtype)
+    deltas = [_grouped_op(slot, xs, a.to(cdt), b.to(cdt), interpret)
+              for a, b in zip(lora_a, lora_b)]
+    return torch.cat(deltas, dim=1).to(x.dtype)
 
 
 def segment_shrink(

@@ -75,52 +75,68 @@ class GroupPlan(NamedTuple):
     work_live: jax.Array  # int32 [W]: 1 for an item to compute, 0 to skip
 
 
+def _i32(value) -> jax.Array:
+    # Typed constants, never bare Python ints: this code may be traced inside a graph
+    # lowered under x64 (the jax runtime), where a Python int that reaches one of jnp's
+    # jitted helpers becomes int64 and fails verification beside int32 operands.
+    return jnp.asarray(value, jnp.int32)
+
+
 def group_plan(token_slot: jax.Array, num_slots: int, group: int, tile: int) -> GroupPlan:
     """The plan for tokens on slots token_slot [T] (-1: no adapter) of num_slots slots,
     grouped `group` at a time, in tiles of `tile` sorted rows. Static shapes only."""
     t = token_slot.shape[0]
     t_pad = -(-t // tile) * tile
     n_tiles, n_groups = t_pad // tile, num_slots // group
-    key = jnp.where(token_slot < 0, num_slots, token_slot).astype(jnp.int32)
-    key = jnp.pad(key, (0, t_pad - t), constant_values=num_slots)
+    none, g = _i32(num_slots), _i32(group)
+    key = jnp.where(token_slot < _i32(0), none, token_slot.astype(jnp.int32))
+    key = jnp.concatenate([key, jnp.full((t_pad - t,), num_slots, jnp.int32)])
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     sorted_key = key[order]
     inverse = jnp.zeros(t_pad, jnp.int32).at[order].set(jnp.arange(t_pad, dtype=jnp.int32))
     tiles = sorted_key.reshape(n_tiles, tile)
-    used = tiles < num_slots
+    used = tiles < none
     any_used = used.any(axis=1)
-    g_lo = jnp.where(any_used, jnp.min(jnp.where(used, tiles, num_slots), axis=1) // group, 0)
-    g_hi = jnp.where(any_used, jnp.max(jnp.where(used, tiles, -1), axis=1) // group, 0)
-    count = g_hi - g_lo + 1  # a tile without adapter tokens still gets one (skipped) item
-    ends = jnp.cumsum(count)
+    lo = jnp.min(jnp.where(used, tiles, none), axis=1)
+    hi = jnp.max(jnp.where(used, tiles, _i32(-1)), axis=1)
+    g_lo = jnp.where(any_used, jax.lax.div(lo, g), _i32(0))
+    g_hi = jnp.where(any_used, jax.lax.div(hi, g), _i32(0))
+    count = g_hi - g_lo + _i32(1)  # a tile without adapter tokens still gets one (skipped) item
+    ends = jnp.cumsum(count, dtype=jnp.int32)
     n_work = n_tiles + n_groups - 1
     w = jnp.arange(n_work, dtype=jnp.int32)
     real = w < ends[-1]
-    w_tile = jnp.minimum(jnp.searchsorted(ends, w, side="right"), n_tiles - 1).astype(jnp.int32)
+    # Item w's tile: how many tiles' items end at or before it (a few dozen compares).
+    w_tile = jnp.minimum(jnp.sum(ends[None, :] <= w[:, None], axis=1, dtype=jnp.int32),
+                         _i32(n_tiles - 1))
     w_group = jnp.where(real, g_lo[w_tile] + w - (ends[w_tile] - count[w_tile]), g_hi[-1])
-    live = real & any_used[w_tile]
-    sorted_slot = jnp.where(sorted_key < num_slots, sorted_key, -1)[:, None]
-    return GroupPlan(order, inverse[:t], sorted_slot, w_tile, w_group.astype(jnp.int32),
-                     live.astype(jnp.int32))
+    live = (real & any_used[w_tile]).astype(jnp.int32)
+    sorted_slot = jnp.where(sorted_key < none, sorted_key, _i32(-1))[:, None]
+    return GroupPlan(order, inverse[:t], sorted_slot, w_tile, w_group, live)
 
 
 def _kernel(tile_ref, group_ref, live_ref, x_ref, slot_ref, a_ref, b_ref, o_ref, acc_ref, *,
             group, rank, precision):
+    # Constants as int32 arrays: the kernel body is traced when the enclosing graph is
+    # lowered, maybe under x64 (the jax runtime), where Python ints in jitted helpers
+    # such as floor_divide become int64, which Mosaic and the verifier refuse.
+    zero, one = jnp.int32(0), jnp.int32(1)
     w, n = pl.program_id(1), pl.num_programs(1)
     tile = tile_ref[w]
-    first = (w == 0) | (tile_ref[jnp.maximum(w - 1, 0)] != tile)
-    last = (w == n - 1) | (tile_ref[jnp.minimum(w + 1, n - 1)] != tile)
+    first = (w == zero) | (tile_ref[jnp.maximum(w - one, zero)] != tile)
+    last = (w == n - one) | (tile_ref[jnp.minimum(w + one, n - one)] != tile)
 
     @pl.when(first)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(live_ref[w] != 0)
+    @pl.when(live_ref[w] != zero)
     def _accumulate():
         y = _nt_dot(x_ref[...], a_ref[...], precision)  # [TM, G*R] float32
         lane = jax.lax.broadcasted_iota(jnp.int32, (1, group * rank), 1)
-        own = slot_ref[...] == group_ref[w] * group + lane // rank
-        y = jnp.where(own, y, 0.0).astype(x_ref.dtype)
+        own = slot_ref[...] == group_ref[w] * jnp.int32(group) + jax.lax.div(
+            lane, jnp.int32(rank))
+        y = jnp.where(own, y, jnp.zeros_like(y)).astype(x_ref.dtype)
         acc_ref[...] += jax.lax.dot_general(
             y, b_ref[...], (((1,), (0,)), ((), ())),
             precision=PRECISIONS[precision] if y.dtype == jnp.float32 else None,
@@ -210,8 +226,20 @@ def grouped_lora(x, weights, token_slot, *, plan=None, interpret=False, precisio
     group, tile = slots_per_group(s, r), token_tile(x.shape[0])
     if plan is None:
         plan = group_plan(token_slot, s, group, tile)
-    xs = jnp.take(x, jnp.minimum(plan.order, x.shape[0] - 1), axis=0)
+    xs = x[jnp.minimum(plan.order, _i32(x.shape[0] - 1))]
     outs = [grouped_kernel(plan, xs, a, b, group=group, tile=tile, interpret=interpret,
                            precision=precision) for a, b in weights]
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-    return jnp.take(out, plan.inverse, axis=0)
+    return out[plan.inverse]
+
+
+def grouped_delta(x, token_slot, weights, *, interpret=False, precision="default"):
+    """grouped_lora with the arguments in the order the torch bridges pass them (x, each
+    token's slot, then the weights pytree), for call_jax."""
+    return grouped_lora(x, weights, token_slot, interpret=interpret, precision=precision)
+
+
+def grouped_delta_one(x, token_slot, lora_a, lora_b, *, interpret=False, precision="default"):
+    """One slice's grouped_lora with array arguments only (torch_xla's call_jax)."""
+    return grouped_lora(x, [(lora_a, lora_b)], token_slot, interpret=interpret,
+                        precision=precision)
