@@ -9,8 +9,9 @@ S = 0 traces no LoRA op at all, and the cost of the LoRA ops grows with S, not m
 
 Single device (`fuse_slices`): every op indexes the full stacked buffers by device slot,
 and on the xla backend they are held transposed, `lora_a[max_loras, D, R]` /
-`lora_b[max_loras, R, O]` (`weights_transposed`; the Pallas kernels and tensor parallelism
-keep PEFT's `[max_loras, R, D]` / `[max_loras, O, R]`): XLA CPU reduces a per-token
+`lora_b[max_loras, R, O]` (`weights_transposed`; tensor parallelism keeps PEFT's
+`[max_loras, R, D]` / `[max_loras, O, R]`, the pallas backend PEFT's A and B rank-first,
+`grouped_kernel`): XLA CPU reduces a per-token
 product fastest over a non-minor axis, where the output's minor axis vectorises, and the
 batched and one-hot matmuls then read B with the rank axis first, as they contract it.
 A packed layer
