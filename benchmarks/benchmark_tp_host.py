@@ -2,12 +2,12 @@
 devices, graphs replayed) against TP=1, one process, the same tiny Llama and adapter
 workload. On the torch_xla runtime TP re-traces every step (28-35 ms of host time per
 step on this CPU against 2.4-3.3 ms replayed, docs/benchmarks.md); replayed, the step
-should stay flat. JAX's CPU client runs a program inline in the dispatching call, so on
-CPU the row's ms per step is host + execution together (the model is kept tiny so that
-execution is a small part); the row splits it: `replay_call_ms`, the time spent inside
-the captured graphs' calls (dispatch and, here, the inline execution with its
-all-reduces), and `host_outside_ms`, everything else in the step (scheduling, input
-packing, slot planning, output handling), which replay must keep flat across TP.
+should stay flat. On CPU a row splits the step: `dispatch_ms`, the time inside the
+captured graphs' calls; `execution_ms`, the time then spent waiting for their results
+(each call is waited for at once, so execution never overlaps host work: the CPU client
+runs programs asynchronously, and 2, 4 programs and their all-reduces share 2 cores);
+`host_ms`, the rest of the step (scheduling, input packing and transfer, slot planning,
+output handling), which replay must keep flat across TP.
 
     python benchmarks/benchmark_tp_host.py --out docs/results/tp_host.jsonl
 """
@@ -51,19 +51,19 @@ def main() -> int:
                       max_loras=4, max_lora_rank=8)
             reqs = [loras[i % 4] if i % 5 else None for i in range(len(work))]
             timed_generate(llm, work, lora_request=reqs)  # warm slots
-            calls = _time_graph_calls()
+            clock = _time_graph_calls()
             rows = []
             for _ in range(args.rounds):
-                calls[0] = 0.0
+                clock[:] = [0.0, 0.0]
                 row = timed_generate(llm, work, lora_request=reqs)
-                row["replay_call_ms"] = 1e3 * calls[0] / row["steps"]
+                row["dispatch_ms"], row["execution_ms"] = (1e3 * c / row["steps"] for c in clock)
                 rows.append(row)
             best = min(rows, key=lambda r: r["ms_per_step"])
             stats = llm.llm_engine.stats()
             row = {"row": "tp_step", "runtime": "jax", "tp": tp, "devices": NUM_DEVICES,
                    "ms_per_step": best["ms_per_step"], "steps": best["steps"],
-                   "replay_call_ms": best["replay_call_ms"],
-                   "host_outside_ms": best["ms_per_step"] - best["replay_call_ms"],
+                   "host_ms": best["ms_per_step"] - best["dispatch_ms"] - best["execution_ms"],
+                   "dispatch_ms": best["dispatch_ms"], "execution_ms": best["execution_ms"],
                    "output_tokens_per_s": best["output_tokens_per_s"],
                    "graph_replay": stats["graph_replay"],
                    "compilations_after_warmup": stats["compilations_after_warmup"]}
@@ -76,26 +76,27 @@ def main() -> int:
 
 
 def _time_graph_calls() -> list[float]:
-    """Wrap every captured graph's jitted call (the engine's, found by type) with a clock;
-    returns the one-element accumulator of seconds spent inside them."""
+    """Wrap every captured graph's call (the engine's, found by type) with a clock that
+    also waits for its results; returns [seconds in the calls, seconds waiting after]."""
     import gc
     import time
 
+    import jax
+
     from vllm_tpu_lora.runner.jax_runtime import _Graph
 
-    total = [0.0]
+    clock = [0.0, 0.0]
     for graph in [o for o in gc.get_objects() if isinstance(o, _Graph)]:
-        if getattr(graph.jitted, "_timed", False):
-            continue
         def timed(*args, _call=graph.jitted):
             t0 = time.perf_counter()
-            try:
-                return _call(*args)
-            finally:
-                total[0] += time.perf_counter() - t0
-        timed._timed = True
+            out = _call(*args)
+            t1 = time.perf_counter()
+            jax.block_until_ready(out)
+            clock[0] += t1 - t0
+            clock[1] += time.perf_counter() - t1
+            return out
         graph.jitted = timed
-    return total
+    return clock
 
 
 if __name__ == "__main__":
