@@ -190,6 +190,11 @@ class JaxGraphCapture:
         self.weights = weights
         self.captures = 0
         self.executables: list = []  # every graph compiled, in order (tests read their HLO)
+        # The state arrays the last call donated, released at the next call: on JAX's
+        # CPU client dropping a donated array's last reference waits for the program that
+        # consumed it, which made every launch block for its whole execution there (2.4 of
+        # a 4.9 ms step in benchmarks/benchmark_tp_host.py's model).
+        self._donated: list = []
 
     def compile(self, fn: Callable) -> Callable:
         graphs: dict[Any, _Graph] = {}
@@ -199,11 +204,13 @@ class JaxGraphCapture:
             graph = graphs.get(key)
             if graph is None:
                 graph = graphs[key] = self._capture(fn, args, tensors, state)
+            donated = [t._elem for t in state]
             with x64(True):
-                outs, new_state = graph.jitted([t._elem for t in tensors],
-                                               [t._elem for t in state], graph.weights)
+                outs, new_state = graph.jitted([t._elem for t in tensors], donated,
+                                               graph.weights)
             for t, a in zip(state, new_state):
                 t._elem = a
+            self._donated = donated  # the previous call's are released here
             return pytree.tree_unflatten([self.rt.wrap(o) for o in outs], graph.out_spec)
 
         return run
