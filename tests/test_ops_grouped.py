@@ -12,9 +12,10 @@ from vllm_tpu_lora.ops import vmem
 from vllm_tpu_lora.ops.grouped_lora import (
     VMEM_BUDGET_BYTES,
     group_plan,
+    grouped_kernel,
     grouped_lora,
-    output_tile,
     slots_per_group,
+    tiles,
     token_tile,
     vmem_bytes,
 )
@@ -126,7 +127,9 @@ def test_group_and_tile_sizes():
 # Llama-3-8B's linears at the issue's step shapes: every kernel the engine would compile
 # for them passes Mosaic's lowering.
 LOWERED = [(16, 8, 16, 4096, (4096, 1024, 1024)), (256, 32, 16, 4096, (14336, 14336)),
-           (1024, 128, 64, 14336, (4096,)), (1024, 128, 16, 4096, (4096,))]
+           (1024, 128, 64, 14336, (4096,)), (1024, 128, 16, 4096, (4096,)),
+           # Large ranks at Qwen2.5-7B / Gemma-2-9B widths: D and O tiled to fit VMEM.
+           (512, 4, 512, 3584, (18944, 18944)), (128, 8, 256, 14336, (3584,))]
 
 
 @pytest.mark.parametrize("t,s,r,d,outs", LOWERED)
@@ -141,14 +144,37 @@ def test_grouped_kernel_lowers_for_tpu(t, s, r, d, outs):
 
 
 def test_vmem_budget():
-    """The O tile halves until the estimate fits the budget; what cannot fit the ceiling
-    is refused, naming the shape."""
-    tile, lanes = 128, 128
-    assert vmem_bytes(tile, 4096, 14336, lanes, "bfloat16") > VMEM_BUDGET_BYTES
-    o_tile = output_tile(tile, 4096, 14336, lanes, "bfloat16")
-    assert o_tile < 14336 and 14336 % o_tile == 0 and o_tile % 128 == 0
-    assert vmem_bytes(tile, 4096, o_tile, lanes, "bfloat16") <= VMEM_BUDGET_BYTES
-    assert output_tile(16, 4096, 4096, lanes, "bfloat16") == 4096
-    with pytest.raises(ValueError, match="D=131072.*VMEM"):
-        output_tile(tile, 131072, 4096, lanes, "float32")
+    """The D tile, then the O tile halve until the estimate fits the budget (the whole O
+    kept where a D tile allows it); what cannot fit the ceiling is refused, naming it."""
+    tile = 128
+    assert vmem_bytes(tile, 4096, 14336, 128, "bfloat16") > VMEM_BUDGET_BYTES
+    d_tile, o_tile = tiles(tile, 4096, 14336, 128, "bfloat16")
+    assert 14336 % o_tile == 0 and o_tile % 128 == 0 and 4096 % d_tile == 0
+    assert vmem_bytes(tile, d_tile, o_tile, 128, "bfloat16") <= VMEM_BUDGET_BYTES
+    assert tiles(16, 4096, 4096, 128, "bfloat16") == (4096, 4096)
+    # Rank 512 (one slot per group, 512 lanes) at Qwen2.5-7B's MLP width fits by tiling.
+    d_tile, o_tile = tiles(tile, 3584, 18944, 512, "bfloat16")
+    assert vmem_bytes(tile, d_tile, o_tile, 512, "bfloat16") <= VMEM_BUDGET_BYTES
+    with pytest.raises(ValueError, match="D=4096, O=4096 at 65536 lanes.*VMEM"):
+        tiles(tile, 4096, 4096, 65536, "float32")
     assert vmem.VMEM_LIMIT_CEILING_BYTES > VMEM_BUDGET_BYTES
+
+
+def test_grouped_kernel_tiles_d_and_o():
+    """Forced small D and O tiles (several of each) give the same delta as one tile."""
+    rng = np.random.default_rng(5)
+    t, s, r, d, o = 200, 8, 16, 512, 384
+    slots = _slots(rng, t, s, "uniform")
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((s, r, d)) / np.sqrt(d), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((s, r, o)) / np.sqrt(r), jnp.float32)
+    g, tile = slots_per_group(s, r), token_tile(t)
+    plan = group_plan(jnp.asarray(slots, jnp.int32), s, g, tile)
+    xs = x[jnp.minimum(plan.order, t - 1)]
+    with jax.default_matmul_precision("highest"):
+        whole = grouped_kernel(plan, xs, a, b, group=g, tile=tile, blocks=(d, o),
+                               interpret=True, precision="highest")
+        tiled = grouped_kernel(plan, xs, a, b, group=g, tile=tile, blocks=(128, 128),
+                               interpret=True, precision="highest")
+    np.testing.assert_allclose(np.asarray(tiled), np.asarray(whole), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(whole)).max() > 0.1  # a real delta, not zeros

@@ -47,7 +47,7 @@ from vllm_tpu_lora.ops.pallas_kernels import PRECISIONS, _check_precision, _nt_d
 
 LANES = 128  # MXU width on every TPU generation: a group's ranks fill it
 MAX_TILE = 128  # token rows per tile (more only re-reads fewer weights; VMEM grows)
-# Budget for one kernel instance's blocks: the O tile shrinks until the estimate fits.
+# Budget for one kernel instance's blocks: the D, then the O tile shrink until it fits.
 VMEM_BUDGET_BYTES = 32 * vmem.MiB
 
 
@@ -115,27 +115,38 @@ def group_plan(token_slot: jax.Array, num_slots: int, group: int, tile: int) -> 
     return GroupPlan(order, inverse[:t], sorted_slot, w_tile, w_group, live)
 
 
-def _kernel(tile_ref, group_ref, live_ref, x_ref, slot_ref, a_ref, b_ref, o_ref, acc_ref, *,
-            group, rank, precision):
+def _kernel(tile_ref, group_ref, live_ref, x_ref, slot_ref, a_ref, b_ref, o_ref, acc_ref, y_ref,
+            *, group, rank, precision):
     # Constants as int32 arrays: the kernel body is traced when the enclosing graph is
     # lowered, maybe under x64 (the jax runtime), where Python ints in jitted helpers
     # such as floor_divide become int64, which Mosaic and the verifier refuse.
     zero, one = jnp.int32(0), jnp.int32(1)
     w, n = pl.program_id(1), pl.num_programs(1)
+    k, n_k = pl.program_id(2), pl.num_programs(2)  # D tiles of the shrink
     tile = tile_ref[w]
-    first = (w == zero) | (tile_ref[jnp.maximum(w - one, zero)] != tile)
-    last = (w == n - one) | (tile_ref[jnp.minimum(w + one, n - one)] != tile)
+    live = live_ref[w] != zero
+    first = ((w == zero) | (tile_ref[jnp.maximum(w - one, zero)] != tile)) & (k == zero)
+    last = (((w == n - one) | (tile_ref[jnp.minimum(w + one, n - one)] != tile))
+            & (k == n_k - one))
 
     @pl.when(first)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(live_ref[w] != zero)
-    def _accumulate():
-        y = _nt_dot(x_ref[...], a_ref[...], precision)  # [TM, G*R] float32
+    @pl.when(live & (k == zero))
+    def _init_shrink():
+        y_ref[...] = jnp.zeros_like(y_ref)
+
+    @pl.when(live)
+    def _shrink():
+        y_ref[...] += _nt_dot(x_ref[...], a_ref[...], precision)  # [TM, G*R] float32
+
+    @pl.when(live & (k == n_k - one))
+    def _expand():
         lane = jax.lax.broadcasted_iota(jnp.int32, (1, group * rank), 1)
         own = slot_ref[...] == group_ref[w] * jnp.int32(group) + jax.lax.div(
             lane, jnp.int32(rank))
+        y = y_ref[...]
         y = jnp.where(own, y, jnp.zeros_like(y)).astype(x_ref.dtype)
         acc_ref[...] += jax.lax.dot_general(
             y, b_ref[...], (((1,), (0,)), ((), ())),
@@ -147,34 +158,45 @@ def _kernel(tile_ref, group_ref, live_ref, x_ref, slot_ref, a_ref, b_ref, o_ref,
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def vmem_bytes(tile: int, d: int, o_tile: int, lanes: int, dtype) -> int:
+def vmem_bytes(tile: int, d_tile: int, o_tile: int, lanes: int, dtype) -> int:
     """Estimated VMEM of one instance (the rules of ops/vmem.py): double-buffered x, slot,
-    A, B and output blocks, the float32 accumulator, and the temporaries (y in float32
-    and cast, the expand's float32 result, A relaid out for the NT shrink)."""
+    A, B and output blocks, the float32 accumulators (output and shrink), and the
+    temporaries (y cast, the expand's float32 result, A relaid out for the NT shrink)."""
     s, pad = vmem.itemsize(dtype), vmem.padded_block_bytes
-    blocks = (pad(tile, d, s) + pad(tile, 1, 4) + pad(lanes, d, s) + pad(lanes, o_tile, s)
-              + pad(tile, o_tile, s))
-    temps = pad(tile, lanes, 4) + pad(tile, lanes, s) + pad(tile, o_tile, 4) + pad(d, lanes, s)
-    return 2 * blocks + pad(tile, o_tile, 4) + temps
+    blocks = (pad(tile, d_tile, s) + pad(tile, 1, 4) + pad(lanes, d_tile, s)
+              + pad(lanes, o_tile, s) + pad(tile, o_tile, s))
+    scratch = pad(tile, o_tile, 4) + pad(tile, lanes, 4)
+    temps = pad(tile, lanes, 4) + pad(tile, lanes, s) + pad(tile, o_tile, 4) + pad(d_tile, lanes, s)
+    return 2 * blocks + scratch + temps
 
 
-def output_tile(tile: int, d: int, o: int, lanes: int, dtype) -> int:
-    """The widest O tile (O itself, else O / 2^k while a multiple of 128) within the
-    budget: every O tile recomputes the shrink, so fewer is cheaper."""
-    o_tile = o
-    while (vmem_bytes(tile, d, o_tile, lanes, dtype) > VMEM_BUDGET_BYTES
-           and o_tile % 2 == 0 and (o_tile // 2) % 128 == 0):
-        o_tile //= 2
-    limit = vmem.required_limit_bytes(vmem_bytes(tile, d, o_tile, lanes, dtype))
+def _halves(n: int) -> list[int]:
+    """n, n/2, n/4, ... while a multiple of 128 (legal Mosaic block widths)."""
+    out = [n]
+    while out[-1] % 2 == 0 and (out[-1] // 2) % 128 == 0:
+        out.append(out[-1] // 2)
+    return out
+
+
+def tiles(tile: int, d: int, o: int, lanes: int, dtype) -> tuple[int, int]:
+    """(D tile, O tile) within the budget: the whole O if any D tile lets it fit (every O
+    tile recomputes the shrink), with the widest such D tile; else narrower O tiles."""
+    for o_tile in _halves(o):
+        for d_tile in _halves(d):
+            if vmem_bytes(tile, d_tile, o_tile, lanes, dtype) <= VMEM_BUDGET_BYTES:
+                return d_tile, o_tile
+    d_tile, o_tile = _halves(d)[-1], _halves(o)[-1]
+    limit = vmem.required_limit_bytes(vmem_bytes(tile, d_tile, o_tile, lanes, dtype))
     if limit > vmem.VMEM_LIMIT_CEILING_BYTES:
         raise ValueError(f"grouped_lora: D={d}, O={o} at {lanes} lanes, tile {tile} "
                          f"{vmem.dtype_name(dtype)} need ~{limit // vmem.MiB} MiB of VMEM, "
                          f"more than the {vmem.VMEM_LIMIT_CEILING_BYTES // vmem.MiB} MiB allowed")
-    return o_tile
+    return d_tile, o_tile
 
 
-@functools.partial(jax.jit, static_argnames=("group", "tile", "o_tile", "interpret", "precision"))
-def grouped_kernel(plan: GroupPlan, xs, lora_a, lora_b, *, group, tile, o_tile=None,
+@functools.partial(jax.jit, static_argnames=("group", "tile", "blocks", "interpret",
+                                             "precision"))
+def grouped_kernel(plan: GroupPlan, xs, lora_a, lora_b, *, group, tile, blocks=None,
                    interpret=False, precision="default"):
     """Semantics: out[r] = xs[r] @ A[s].T @ B[s] for sorted row r on slot s =
     plan.sorted_slot[r], 0 where s = -1.
@@ -188,29 +210,31 @@ def grouped_kernel(plan: GroupPlan, xs, lora_a, lora_b, *, group, tile, o_tile=N
                          "[S, R, D], [S, R, O] with S % group == 0, T_pad % tile == 0")
     _check_precision(precision)
     lanes = group * r
-    o_tile = output_tile(tile, d, o, lanes, xs.dtype) if o_tile is None else o_tile
-    limit = vmem.explicit_vmem_limit(vmem_bytes(tile, d, o_tile, lanes, xs.dtype))
+    d_tile, o_tile = tiles(tile, d, o, lanes, xs.dtype) if blocks is None else blocks
+    limit = vmem.explicit_vmem_limit(vmem_bytes(tile, d_tile, o_tile, lanes, xs.dtype))
     a_g = lora_a.astype(xs.dtype).reshape(s // group, lanes, d)  # free: contiguous
     b_g = lora_b.astype(xs.dtype).reshape(s // group, lanes, o)
     n_work = plan.work_tile.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(o // o_tile, n_work),
+        grid=(o // o_tile, n_work, d // d_tile),
         in_specs=[
-            pl.BlockSpec((tile, d), lambda j, w, t, g, v: (t[w], 0)),
-            pl.BlockSpec((tile, 1), lambda j, w, t, g, v: (t[w], 0)),
-            pl.BlockSpec((None, lanes, d), lambda j, w, t, g, v: (g[w], 0, 0)),
-            pl.BlockSpec((None, lanes, o_tile), lambda j, w, t, g, v: (g[w], 0, j)),
+            pl.BlockSpec((tile, d_tile), lambda j, w, k, t, g, v: (t[w], k)),
+            pl.BlockSpec((tile, 1), lambda j, w, k, t, g, v: (t[w], 0)),
+            pl.BlockSpec((None, lanes, d_tile), lambda j, w, k, t, g, v: (g[w], 0, k)),
+            pl.BlockSpec((None, lanes, o_tile), lambda j, w, k, t, g, v: (g[w], 0, j)),
         ],
-        out_specs=pl.BlockSpec((tile, o_tile), lambda j, w, t, g, v: (t[w], j)),
-        scratch_shapes=[pltpu.VMEM((tile, o_tile), jnp.float32)],
+        out_specs=pl.BlockSpec((tile, o_tile), lambda j, w, k, t, g, v: (t[w], j)),
+        scratch_shapes=[pltpu.VMEM((tile, o_tile), jnp.float32),
+                        pltpu.VMEM((tile, lanes), jnp.float32)],
     )
     return pl.pallas_call(
         functools.partial(_kernel, group=group, rank=r, precision=precision),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((t_pad, o), xs.dtype),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=limit),
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=limit),
         interpret=interpret,
         name="lora_grouped",
     )(plan.work_tile, plan.work_group, plan.work_live, xs, plan.sorted_slot, a_g, b_g)
