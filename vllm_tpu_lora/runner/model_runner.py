@@ -266,10 +266,11 @@ class ModelRunner:
                    unit="graph")
         if self.lora_manager is not None:  # also compiles the slot-write graphs
             warm = self.lora_manager.warmup_adapter()
-            for k in self.lora_manager.write_batch_sizes:
+            for k in self.lora_manager.write_batch_sizes:  # every batch size, once
                 self.lora_manager.write_slots([(slot, warm) for slot in range(k)])
-            for slot in range(self.lora_manager.max_loras):
-                self.lora_manager.write_slot(slot, warm)
+            # Then every slot holds real weights, written in the fewest calls.
+            self.lora_manager.write_slots([(slot, warm)
+                                           for slot in range(self.lora_manager.max_loras)])
         for t_b, s_b, w_b, fallback in forwards:
             last = self._forward(self._dummy(t_b, self.request_ladder[0], s_b, w_b), s_b,
                                  fallback)
