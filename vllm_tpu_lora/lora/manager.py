@@ -423,8 +423,8 @@ class LoRAManager:
         """Write adapters' slot images into their slots of every buffer. A write's fixed
         cost (a transfer and a graph launch, ~0.5 ms on a CPU host) is paid once per batch
         of up to 16: a step whose requests each bring a new adapter fills their slots at
-        about the cost of one write plus the bytes (0.12 ms per adapter at 16, 512 KB
-        each, on the CPU host)."""
+        about the cost of one write plus the bytes (0.16 ms per adapter at 16, 512 KB
+        each, on the CPU host, waited for)."""
         rt = self._rt
         if not self.one_transfer:
             for slot, host in loads:  # traced lazily: one write per graph, as at warm-up
