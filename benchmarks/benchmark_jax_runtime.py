@@ -171,7 +171,10 @@ def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out)
     stats = engine.stats()
     emit({"row": "engine", "runtime": runtime, "startup_s": time.perf_counter() - t0,
           "num_graphs": stats["num_graphs"], "warmup_s": stats["warmup_seconds"],
-          "device": stats["device"], "lora_backend": engine.runner.punica.backend}, out)
+          "device": stats["device"], "lora_backend": engine.runner.punica.backend,
+          # tracing in the engine's thread; compiles summed over the threads they ran in
+          "trace_s": getattr(engine.runner.capture, "trace_seconds", None),
+          "compile_s": getattr(engine.runner.capture, "compile_seconds", None)}, out)
     reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
     for r in reqs:  # read into the host cache now: the timed runs measure serving
         engine.add_lora(r)

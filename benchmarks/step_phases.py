@@ -123,6 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--num-adapters", type=int, nargs="+", default=[8])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--runtime", default="auto", choices=["auto", "torch_xla", "jax"])
     p.set_defaults(**LORA_SHAPE)
     args = apply_small(p.parse_args(argv))
     if args.small:

@@ -264,6 +264,41 @@ def test_server_adapter_completion_matches_peft(llama_dir, adapters, peft_oracle
         assert stats["runtime"] == "jax" and stats["compilations_after_warmup"] == 0
 
 
+# ---- 6b. the capture's state --------------------------------------------------------------
+
+def test_read_only_state_is_read_not_donated():
+    """Mutable FixedTensors are donated and updated in place; read-only ones (the LoRA slot
+    buffers in the forward) are plain inputs: new contents are seen without a second
+    capture, the caller's array survives the call, and an in-place update is refused."""
+    from vllm_tpu_lora.runner.jax_runtime import JaxRuntime
+    from vllm_tpu_lora.runner.lazy_capture import FixedTensors
+
+    rt = JaxRuntime()
+    cap = rt.make_capture(lambda: [])
+
+    def fn(x, acc: FixedTensors, read: FixedTensors):
+        acc.value[0].add_(x)
+        return x * read.value[0].sum()
+
+    graph = cap.compile(fn)
+    acc = rt.to_device(np.zeros(2, np.float32))
+    read = rt.to_device(np.ones(3, np.float32))
+    x = rt.to_device(np.array([1.0, 2.0], np.float32))
+    acc_state, read_state = FixedTensors([acc]), FixedTensors([read], read_only=True)
+    acc_before, read_before = acc._elem, read._elem
+    assert rt.to_host(graph(x, acc_state, read_state)).tolist() == [3.0, 6.0]
+    assert acc_before.is_deleted() and not read_before.is_deleted()
+    read._elem = rt.to_device(np.array([1.0, 2.0, 4.0], np.float32))._elem  # a slot write
+    assert rt.to_host(graph(x, acc_state, read_state)).tolist() == [7.0, 14.0]
+    assert rt.to_host(acc).tolist() == [2.0, 4.0] and cap.captures == 1
+
+    def writes_read_only(x, read: FixedTensors):
+        read.value[0].mul_(2)
+        return x
+    with pytest.raises(TypeError, match="not read_only"):
+        cap.compile(writes_read_only)(x, read_state)
+
+
 # ---- 7. torchax_compat ---------------------------------------------------------------------
 
 def test_tolerate_removed_named_overloads():

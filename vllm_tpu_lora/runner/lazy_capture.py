@@ -17,6 +17,7 @@ with the new argument buffers in the traced input order.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -48,23 +49,32 @@ class FixedTensors:
     contents (the KV cache, the LoRA slot buffers): one argument whose part of the graph
     key is computed once. Walking them per call cost ~1 µs per tensor, so host time per
     step grew with layers x LoRA modules (4 layers x 7 linears: 64 tensors, ~50 µs).
-    The captured function reads `value`, the structure as given."""
+    The captured function reads `value`, the structure as given.
 
-    __slots__ = ("value", "tensors", "key")
+    read_only: the graph only reads them (the LoRA slot buffers in the forward, written
+    between steps by their own graph). They are then plain arguments, not donated state:
+    on the jax runtime a donated buffer the graph passes through unchanged still costs a
+    donation and a new output array per call (~1 us each on XLA CPU, 224 slot buffers
+    at 16 layers x 7 linears), and a read-only one updated in place is refused."""
 
-    def __init__(self, value) -> None:
+    __slots__ = ("value", "tensors", "key", "read_only")
+
+    def __init__(self, value, read_only: bool = False) -> None:
         self.value = value
+        self.read_only = read_only
         leaves, spec = pytree.tree_flatten(value)
         self.tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if len(self.tensors) != len(leaves):
             raise TypeError("FixedTensors holds tensors only")
-        self.key = (FixedTensors, spec, tuple((tuple(t.shape), t.dtype) for t in self.tensors))
+        self.key = (FixedTensors, read_only, spec,
+                    tuple((tuple(t.shape), t.dtype) for t in self.tensors))
 
 
 def split_args(args: tuple) -> tuple[list, list, tuple]:
     """A call's arguments as (tensor args, the tensors of its FixedTensors, graph key):
     the key is the pytree structure, each tensor's shape and dtype, each FixedTensors' key
-    and the non-tensor leaves (both captures key their graphs this way)."""
+    and the non-tensor leaves (both captures key their graphs this way). Read-only
+    FixedTensors count as tensor args."""
     leaves, spec = pytree.tree_flatten(args)
     tensors, fixed, key_parts = [], [], []
     for x in leaves:
@@ -72,7 +82,7 @@ def split_args(args: tuple) -> tuple[list, list, tuple]:
             tensors.append(x)
             key_parts.append((tuple(x.shape), x.dtype))
         elif isinstance(x, FixedTensors):
-            fixed.extend(x.tensors)
+            (tensors if x.read_only else fixed).extend(x.tensors)
             key_parts.append(x.key)
         else:
             key_parts.append(x)
@@ -82,6 +92,10 @@ def split_args(args: tuple) -> tuple[list, list, tuple]:
 class LazyGraphCapture:
     def __init__(self) -> None:
         self.captures = 0  # every trace: first captures and later ones alike
+
+    def background_compiles(self):
+        """torch_xla compiles each graph as it is traced (`_xla_warm_up_cache`)."""
+        return contextlib.nullcontext()
 
     def compile(self, fn: Callable) -> Callable:
         graphs: dict[Any, _Graph] = {}

@@ -18,6 +18,7 @@ token ids into a device buffer (`last_tokens`) that the next forward reads for t
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -98,7 +99,8 @@ class ModelRunner:
         if lora_manager is not None:
             lora_manager.use_runtime(self.rt, self.capture)
         # Written between steps (slot loads): graph arguments, never baked-in constants.
-        self._lora_buffers = FixedTensors(lora_manager.buffers if lora_manager else [])
+        self._lora_buffers = FixedTensors(lora_manager.buffers if lora_manager else [],
+                                          read_only=True)
         self._kv_args = FixedTensors(self.kv_caches)  # updated in place, never replaced
         # The sampler's token ids of the latest step, [max_num_seqs] (async scheduling).
         self._last_tokens = FixedTensors([self.rt.zeros((max_num_seqs,), torch.int64)])
@@ -264,23 +266,26 @@ class ModelRunner:
         n_fwd = len(forwards)
         bar = tqdm(total=n_fwd + 2 * len(self.request_ladder), desc="Precompiling graphs",
                    unit="graph")
-        if self.lora_manager is not None:  # also compiles the slot-write graphs
-            warm = self.lora_manager.warmup_adapter()
-            for k in self.lora_manager.write_batch_sizes:  # every batch size, once
-                self.lora_manager.write_slots([(slot, warm) for slot in range(k)])
-            # Then every slot holds real weights, written in the fewest calls.
-            self.lora_manager.write_slots([(slot, warm)
-                                           for slot in range(self.lora_manager.max_loras)])
-        for t_b, s_b, w_b, fallback in forwards:
-            last = self._forward(self._dummy(t_b, self.request_ladder[0], s_b, w_b), s_b,
-                                 fallback)
-            bar.update(1)
-        for r_b in self.request_ladder:
-            for greedy in (False, True):
-                inputs = self._sample_inputs(self._dummy(self.token_ladder[0], r_b, 0),
-                                             greedy=greedy)
-                self.rt.to_host(self._sample(last, inputs))
+        # The jax runtime traces every graph here and compiles them in background threads
+        # (waited for at the end of the block); the calls return zeros instead of running.
+        with self.capture.background_compiles() if self.capture else contextlib.nullcontext():
+            if self.lora_manager is not None:  # also compiles the slot-write graphs
+                warm = self.lora_manager.warmup_adapter()
+                for k in self.lora_manager.write_batch_sizes:  # every batch size, once
+                    self.lora_manager.write_slots([(slot, warm) for slot in range(k)])
+                # Then every slot holds real weights, written in the fewest calls.
+                self.lora_manager.write_slots([(slot, warm)
+                                               for slot in range(self.lora_manager.max_loras)])
+            for t_b, s_b, w_b, fallback in forwards:
+                last = self._forward(self._dummy(t_b, self.request_ladder[0], s_b, w_b), s_b,
+                                     fallback)
                 bar.update(1)
+            for r_b in self.request_ladder:
+                for greedy in (False, True):
+                    inputs = self._sample_inputs(self._dummy(self.token_ladder[0], r_b, 0),
+                                                 greedy=greedy)
+                    self.rt.to_host(self._sample(last, inputs))
+                    bar.update(1)
         bar.close()
         if self.lora_manager is not None:
             self.lora_manager.clear_all_slots()
