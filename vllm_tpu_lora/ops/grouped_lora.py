@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from vllm_tpu_lora.ops import vmem
-from vllm_tpu_lora.ops.pallas_kernels import PRECISIONS, _check_precision, _nt_dot
+from vllm_tpu_lora.ops.pallas_kernels import _check_precision, _nt_dot, dot_precision
 
 LANES = 128  # MXU width on every TPU generation: a group's ranks fill it
 MAX_TILE = 128  # token rows per tile (more only re-reads fewer weights; VMEM grows)
@@ -150,7 +150,7 @@ def _kernel(tile_ref, group_ref, live_ref, x_ref, slot_ref, a_ref, b_ref, o_ref,
         y = jnp.where(own, y, jnp.zeros_like(y)).astype(x_ref.dtype)
         acc_ref[...] += jax.lax.dot_general(
             y, b_ref[...], (((1,), (0,)), ((), ())),
-            precision=PRECISIONS[precision] if y.dtype == jnp.float32 else None,
+            precision=dot_precision(y.dtype, precision),
             preferred_element_type=jnp.float32)
 
     @pl.when(last)

@@ -108,16 +108,21 @@ def _check_precision(precision: str) -> None:
         )
 
 
+def dot_precision(dtype, precision: str):
+    """A kernel dot's precision: as asked for float32 operands; DEFAULT, explicitly, for
+    bfloat16 ones, which are one exact MXU pass anyway. Explicitly: with None, a
+    process-wide "highest" (jax_default_matmul_precision) reaches the kernel's dot and
+    Mosaic refuses a bfloat16 dot at fp32 ("Bad lhs type", seen on a v5e)."""
+    return PRECISIONS[precision] if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def _nt_dot(a, b, precision):
-    """a [M, K] @ b [N, K].T with float32 accumulation (MXU-native NT matmul). The
-    precision applies to float32 operands only: bfloat16 ones are one exact MXU pass
-    anyway, and Mosaic refuses a bfloat16 dot asked for "highest" ("Bad lhs type",
-    seen on a v5e)."""
+    """a [M, K] @ b [N, K].T with float32 accumulation (MXU-native NT matmul)."""
     return jax.lax.dot_general(
         a,
         b,
         (((1,), (1,)), ((), ())),
-        precision=PRECISIONS[precision] if a.dtype == jnp.float32 else None,
+        precision=dot_precision(a.dtype, precision),
         preferred_element_type=jnp.float32,
     )
 
