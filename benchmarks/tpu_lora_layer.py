@@ -98,24 +98,33 @@ def compositions(pk, jnp, block, interpret, precision="default"):
             offset += b.shape[1]
         return y
 
-    def single(x, y, lay, at_s, bt_s):
+    def single(x, y, lay, a_s, bt_s):
         """S = 1 on a TPU (PunicaWrapper._single_slot_linear): the step's one adapter's
-        A of every slice concatenated, one shrink, an expand per slice, masked."""
+        A of every slice concatenated (rank-first, as a TPU holds it), one shrink, an
+        expand per slice, masked."""
         slot = lay["active_slots"][:1]
-        a = jnp.concatenate([at[slot][0] for at in at_s], axis=1)
-        xa, rank = x @ a, at_s[0].shape[2]
+        a = jnp.concatenate([a[slot][0] for a in a_s], axis=0)  # [n*R, D]
+        xa, rank = x @ a.T, a_s[0].shape[1]
         deltas = [xa[:, i * rank:(i + 1) * rank] @ bt[slot][0] for i, bt in enumerate(bt_s)]
         delta = jnp.concatenate(deltas, axis=1)
         return y + jnp.where(lay["token_valid"][:, None], delta, 0).astype(y.dtype)
 
-    def onehot(x, y, lay, at_s, bt_s):
+    def onehot(x, y, lay, a_s, bt_s, by_input=False):
         """The xla backend's "onehot" strategy (PunicaWrapper._onehot_linear): the step's
         S active slots' weights copied out (index_select), every token times all S, a
-        [T, S] one-hot keeping its own."""
-        active, rank = lay["active_slots"], at_s[0].shape[2]
+        [T, S] one-hot keeping its own. A rank-first [N, R, D] as a TPU engine holds it;
+        by_input: [N, D, R], the CPU's layout (the engines before 2026-12-07 on a TPU too),
+        whose minor rank axis a TPU pads to 128 lanes."""
+        active = lay["active_slots"]
+        rank = a_s[0].shape[2 if by_input else 1]
         hit = lay["token_lora_idx"][:, None] == jnp.arange(active.shape[0])[None, :]
-        a = jnp.concatenate([at[active] for at in at_s], axis=2)  # [S, D, n*R]
-        xa = jnp.einsum("td,sdr->tsr", x, a) * hit[:, :, None].astype(x.dtype)
+        if by_input:
+            a = jnp.concatenate([at[active] for at in a_s], axis=2)  # [S, D, n*R]
+            xa = jnp.einsum("td,sdr->tsr", x, a)
+        else:
+            a = jnp.concatenate([a[active] for a in a_s], axis=1)  # [S, n*R, D]
+            xa = jnp.einsum("td,srd->tsr", x, a)
+        xa = xa * hit[:, :, None].astype(x.dtype)
         deltas = [xa[:, :, i * rank:(i + 1) * rank].reshape(x.shape[0], -1)
                   @ bt[active].reshape(-1, bt.shape[2]) for i, bt in enumerate(bt_s)]
         return y + jnp.concatenate(deltas, axis=1).astype(y.dtype)
@@ -129,7 +138,8 @@ def compositions(pk, jnp, block, interpret, precision="default"):
                              interpret=interpret, precision=precision)
         return y + delta.astype(y.dtype)
 
-    return {"per_slice": per_slice, "single": single, "onehot": onehot, "grouped": grouped}
+    return {"per_slice": per_slice, "single": single, "onehot": onehot,
+            "onehot_by_input": functools.partial(onehot, by_input=True), "grouped": grouped}
 
 
 def make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot=None):
@@ -186,8 +196,10 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
         got["grouped"] = np.asarray(grouped(x, y, lay, a_s, bt_s).astype(jnp.float32),
                                     np.float64)
         with jax_precision(precision):
+            a_zeroed = [jnp.swapaxes(at, 1, 2) for at in at_s]  # rank-first, NaN slot zeroed
             for what, fn in xla_paths.items():
-                got[what] = np.asarray(fn(x, y, lay, at_s, bt_s).astype(jnp.float32), np.float64)
+                a = at_s if what == "onehot_by_input" else a_zeroed
+                got[what] = np.asarray(fn(x, y, lay, a, bt_s).astype(jnp.float32), np.float64)
         x64 = np.asarray(x.astype(jnp.float32), np.float64)
         ref = np.zeros_like(got["per_slice"])
         for s in set(token_slot.tolist()) - {-1}:  # each slot's weights fetched once
@@ -220,7 +232,8 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
     xla = load_torch_free("lora.step_layout").xla_strategy(t, active, n, on_tpu=True)
     row = dict(part="layer", T=t, N=n, active=active, R=r, dtype=dtype, block=block,
                xla_strategy=xla)
-    paths = tuple(p for p in ("per_slice", "onehot", "grouped") if p in wanted) + (
+    paths = tuple(p for p in ("per_slice", "onehot", "onehot_by_input", "grouped")
+                  if p in wanted) + (
         ("single",) if active == 1 and "single" in wanted else ())
     totals = dict.fromkeys(("base", "roofline") + paths, 0.0)
     for name, d, sizes in linears:
@@ -233,7 +246,7 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
         y0 = jnp.asarray(rng.standard_normal((t, sum(sizes))), jt)
         fns = {"base": (lambda x, w: x @ w, (w,)),
                **{k: (fn, (y0, lay, a_s, b_s) if k == "per_slice" else
-                      (y0, lay, a_s, bt_s) if k == "grouped" else (y0, lay, at_s, bt_s))
+                      (y0, lay, at_s, bt_s) if k == "onehot_by_input" else (y0, lay, a_s, bt_s))
                   for k, fn in comps.items()}}
         o = sum(sizes)
         roof = roofline_ms(chip, t, d, o, r, active, jt.itemsize)
@@ -251,6 +264,8 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
         row[f"{what}_vs_roofline"] = round(totals[what] / totals["roofline"], 2)
     if "grouped" in totals and "onehot" in totals:
         row["grouped_vs_onehot"] = round(totals["grouped"] / totals["onehot"], 3)
+    if "onehot_by_input" in totals and "onehot" in totals:
+        row["onehot_vs_by_input"] = round(totals["onehot"] / totals["onehot_by_input"], 3)
     emit(row)
 
 
@@ -280,7 +295,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="check,bench")
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
-    p.add_argument("--paths", nargs="+", default=["per_slice", "onehot", "grouped", "single"],
+    p.add_argument("--paths", nargs="+",
+                   default=["per_slice", "onehot", "onehot_by_input", "grouped", "single"],
                    help="the LoRA compositions to bench (the base matmuls always)")
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (no TPU)")
     p.add_argument("--quick", action="store_true", help="tiny shapes only (a smoke run)")

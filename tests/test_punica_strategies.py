@@ -56,6 +56,30 @@ def test_onehot_with_fewer_adapters_than_its_bucket():
                              torch.randn(48, sum(SLICES), generator=gen))
 
 
+@pytest.mark.parametrize("strategy,num_slots,num_tokens", [("single", 1, 16), ("onehot", 4, 48),
+                                                            ("onehot", 16, 64)])
+def test_tpu_layout_strategies_match_reference(strategy, num_slots, num_tokens):
+    """On a TPU the xla path holds A rank-first ([N, R, D]: a minor rank axis would be
+    padded to 128 lanes there) and runs only single and onehot, which read it so; the
+    strategies that read A by input refuse to be forced there."""
+    rng = np.random.default_rng(num_slots + num_tokens)
+    gen = torch.Generator().manual_seed(num_slots)
+    lora_a = [torch.randn(MAX_LORAS, RANK, DIM, generator=gen) for _ in SLICES]
+    lora_b = [torch.randn(MAX_LORAS, o, RANK, generator=gen) for o in SLICES]
+    active = sorted(rng.choice(MAX_LORAS, size=num_slots, replace=False).tolist())
+    token_pos = rng.integers(-1, num_slots, size=num_tokens).astype(np.int32)
+    punica = PunicaWrapper("xla", fuse_slices=True)
+    punica.max_loras, punica.on_tpu = MAX_LORAS, True
+    assert not punica.a_by_input
+    assert punica.xla_strategy(num_tokens, num_slots) == strategy
+    _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_b,
+                             torch.randn(num_tokens, DIM, generator=gen),
+                             torch.randn(num_tokens, sum(SLICES), generator=gen))
+    punica.force_strategy = "gathered"
+    with pytest.raises(ValueError, match="does not hold"):
+        punica.xla_strategy(num_tokens, num_slots)
+
+
 @pytest.mark.parametrize("num_active,num_tokens", [(8, 64), (16, 256), (3, 64)])
 def test_split_strategy_matches_reference(num_active, num_tokens):
     """A mixed step as continuous batching makes it: a few adapters with prefill chunks
@@ -89,9 +113,11 @@ def _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_
     dev = platform.xla_device()
     plan = punica.plan_step(token_pos, active, num_slots, torch.float32)
     punica.set_step(num_slots, {k: torch.from_numpy(v).to(dev) for k, v in plan.items()})
-    assert punica.weights_transposed  # the fused xla path reads [N, D, R] / [N, R, O]
+    # The fused xla path reads B [N, R, O] and A [N, D, R], or rank-first on a TPU.
+    assert punica.weights_transposed
     got = punica.add_lora_linear(y0.to(dev), x.to(dev),
-                                 [a.transpose(1, 2).contiguous().to(dev) for a in lora_a],
+                                 [(a.transpose(1, 2).contiguous() if punica.a_by_input else a)
+                                  .to(dev) for a in lora_a],
                                  [b.transpose(1, 2).contiguous().to(dev) for b in lora_b],
                                  SLICES).cpu()
     idx = torch.tensor([active[p] if p >= 0 else -1 for p in token_pos])

@@ -4,9 +4,9 @@ and, when lora_target_modules names them, the token embedding and lm_head.
 Each wrapped layer owns preallocated stacked buffers, one pair per output slice:
 `lora_a[max_loras, max_rank, in]` and `lora_b[max_loras, out_slice, max_rank]`, zero
 padded to max_rank (the embedding keeps its A by token: `[max_loras, vocab, max_rank]`).
-On the xla backend's fused path both are held transposed, `[max_loras, in, max_rank]` and
-`[max_loras, max_rank, out_slice]` (layer flags a_by_input / b_by_rank; see
-PunicaWrapper.weights_transposed). Loading an adapter only writes data into a slot of
+On the xla backend's fused path B is held rank-first, `[max_loras, max_rank, out_slice]`,
+and off a TPU A by input, `[max_loras, in, max_rank]` (layer flags a_by_input / b_by_rank;
+see PunicaWrapper.weights_transposed and a_by_input). Loading an adapter only writes data into a slot of
 these buffers.
 """
 
@@ -56,9 +56,10 @@ class LoRALinear(nn.Module):
         self.output_slices = list(getattr(base, "output_sizes", [base.out_features]))
         self.in_features = base.in_features
         # Slots as PEFT's lora_A [R, in] / lora_B [out, R], or transposed where the punica
-        # wrapper's ops read them so: both on the xla fused path (weights_transposed), B
-        # alone for the grouped Pallas kernel (grouped_kernel).
-        self.a_by_input = punica.weights_transposed
+        # wrapper's ops read them so: B on the xla fused path (weights_transposed) and for
+        # the grouped Pallas kernel (grouped_kernel), A on the xla fused path off a TPU
+        # (a_by_input: a TPU pads a minor rank axis to 128 lanes).
+        self.a_by_input = punica.a_by_input
         self.b_by_rank = punica.weights_transposed or punica.grouped_kernel
         for i, size in enumerate(self.output_slices):
             a_shape = ((self.in_features, max_rank) if self.a_by_input

@@ -9,7 +9,8 @@ S = 0 traces no LoRA op at all, and the cost of the LoRA ops grows with S, not m
 
 Single device (`fuse_slices`): every op indexes the full stacked buffers by device slot,
 and on the xla backend they are held transposed, `lora_a[max_loras, D, R]` /
-`lora_b[max_loras, R, O]` (`weights_transposed`; tensor parallelism keeps PEFT's
+`lora_b[max_loras, R, O]` (`weights_transposed`; on a TPU A stays `[max_loras, R, D]`,
+`a_by_input`, as a minor rank axis is padded to 128 lanes there; tensor parallelism keeps PEFT's
 `[max_loras, R, D]` / `[max_loras, O, R]`, the pallas backend PEFT's A and B rank-first,
 `grouped_kernel`): XLA CPU reduces a per-token
 product fastest over a non-minor axis, where the output's minor axis vectorises, and the
@@ -101,9 +102,18 @@ class PunicaWrapper:
 
     @property
     def weights_transposed(self) -> bool:
-        """Slot buffers as [N, D, R] (A) and [N, R, O] (B): the xla backend's fused path.
-        The layers allocate, and the LoRA manager writes, their buffers this way."""
+        """B as [N, R, O] (rank-first) and, off a TPU, A as [N, D, R] (`a_by_input`): the
+        xla backend's fused path. The layers allocate, and the LoRA manager writes, their
+        buffers this way."""
         return self.backend == "xla" and self.fuse_slices
+
+    @property
+    def a_by_input(self) -> bool:
+        """A held [N, D, R]: the xla fused path off a TPU. A TPU tiles an array's two minor
+        axes by (8-16, 128), so a minor rank axis of 16 is padded to 128 lanes: 8x the
+        bytes held and read per slot (v5e: 8 adapters cost +1.1 ms a decode step of the
+        Llama-3.2-1B shape). There A stays PEFT's [N, R, D], like B rank-first."""
+        return self.weights_transposed and not self.on_tpu
 
     # ---- per step ----
 
@@ -161,6 +171,9 @@ class PunicaWrapper:
         if self.backend != "xla":
             return None
         if self.force_strategy is not None:
+            if not self.a_by_input and self.force_strategy not in ("single", "onehot"):
+                raise ValueError(f"strategy {self.force_strategy!r} reads A as [N, D, R], "
+                                 "which a TPU does not hold")
             return self.force_strategy
         return step_layout.xla_strategy(num_tokens, num_slots, self.max_loras, self.on_tpu)
 
@@ -219,8 +232,8 @@ class PunicaWrapper:
         """Semantics: y[t] += concat_i(x[t] @ A_i[s].T @ B_i[s].T), s = slot of token t
         (scales are folded into B at load time); tokens without an adapter unchanged.
         Shapes: y [T, sum(O_i)], x [T, D], lora_a[i] [N, R, D], lora_b[i] [N, O_i, R];
-        transposed (`weights_transposed`, the xla strategies below): lora_a[i] [N, D, R],
-        lora_b[i] [N, R, O_i]."""
+        transposed (`weights_transposed`, the xla strategies below): lora_b[i] [N, R, O_i]
+        and, off a TPU (`a_by_input`), lora_a[i] [N, D, R]."""
         if not self.fuse_slices:
             offset = 0
             for a, b, size in zip(lora_a, lora_b, output_slices):
@@ -276,9 +289,11 @@ class PunicaWrapper:
         return y + z.index_select(0, self.step["slot_dest"]).to(y.dtype)
 
     def _single_slot_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
+        # One shrink for every slice: A [D, n*R], or [n*R, D] rank-first (a TPU).
+        dim = 1 if self.a_by_input else 0
         a = torch.cat([la.index_select(0, self.step["slot"])[0] for la in lora_a],
-                      dim=1).to(x.dtype)
-        return self._single_expand(y, x @ a, lora_b)  # one shrink for every slice
+                      dim=dim).to(x.dtype)
+        return self._single_expand(y, x @ a if self.a_by_input else x @ a.T, lora_b)
 
     def _single_expand(self, y, xa, lora_b) -> torch.Tensor:
         """xa [T, n*R] in token order -> y + concat_i(xa_i @ B_i[slot].T), masked."""
@@ -297,9 +312,13 @@ class PunicaWrapper:
         product selected by a [T, S] one-hot: gather-free, FLOPs S*T*R*(D+O). Slot
         buffers hold only finite values (the loader rejects NaN/Inf, free slots are zero),
         so selecting by multiplication is exact."""
-        a = torch.cat([la.index_select(0, self.step["active_slots"]) for la in lora_a],
-                      dim=2).to(x.dtype)  # [S, D, n*R]
-        xa = torch.einsum("td,sdr->tsr", x, a)
+        active = self.step["active_slots"]
+        if self.a_by_input:
+            a = torch.cat([la.index_select(0, active) for la in lora_a], dim=2)  # [S, D, n*R]
+            xa = torch.einsum("td,sdr->tsr", x, a.to(x.dtype))
+        else:  # rank-first (a TPU): [S, n*R, D]
+            a = torch.cat([la.index_select(0, active) for la in lora_a], dim=1)
+            xa = torch.einsum("td,srd->tsr", x, a.to(x.dtype))
         return self._onehot_expand(y, xa * self._onehot(x.dtype)[:, :, None], lora_b)
 
     def _onehot_expand(self, y, xa, lora_b) -> torch.Tensor:
