@@ -122,21 +122,12 @@ class LLMEngine:
         return manager, punica
 
     def _log_lora_backend(self, backend: str, lc) -> None:
-        """Say which LoRA backend "auto" became: on a TPU it depends on max_loras and
-        max_lora_rank (lora/punica.py resolve_lora_backend), and warn where an explicit
-        'xla' runs the TPU's onehot strategy past the range that rule measured."""
-        from vllm_tpu_lora.lora.punica import resolve_lora_backend
-        from vllm_tpu_lora.lora.step_layout import TPU_ONEHOT_MAX_LORAS, TPU_ONEHOT_MAX_WIDTH
-
+        """Say which LoRA backend (and, on a TPU's xla backend, which strategy) runs."""
+        what = backend
+        if backend == "xla" and self.tp is None and platform.is_tpu():
+            what = "xla (onehot; single for one adapter)"
         logger.info("LoRA backend: %s (lora_backend=%r, max_loras=%d, max_lora_rank=%d)",
-                    backend, lc.lora_backend, lc.max_loras, lc.max_lora_rank)
-        auto = resolve_lora_backend("auto", lc.max_loras, lc.max_lora_rank)
-        if self.tp is None and backend == "xla" and auto == "pallas":
-            logger.warning("lora_backend='xla' on a TPU runs its onehot strategy, which was "
-                           "measured faster than 'pallas' only up to max_loras=%d and "
-                           "max_loras * max_lora_rank=%d (here %d * %d); 'auto' would pick "
-                           "'pallas'", TPU_ONEHOT_MAX_LORAS, TPU_ONEHOT_MAX_WIDTH,
-                           lc.max_loras, lc.max_lora_rank)
+                    what, lc.lora_backend, lc.max_loras, lc.max_lora_rank)
 
     def _check_kernel_budget(self, dtype) -> None:
         """Refuse, before compiling anything, a configuration whose Pallas LoRA kernels

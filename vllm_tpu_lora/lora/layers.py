@@ -58,7 +58,7 @@ class LoRALinear(nn.Module):
         # Slots as PEFT's lora_A [R, in] / lora_B [out, R], or transposed where the punica
         # wrapper's ops read them so: B on the xla fused path (weights_transposed) and for
         # the grouped Pallas kernel (grouped_kernel), A on the xla fused path off a TPU
-        # (a_by_input: a TPU pads a minor rank axis to 128 lanes).
+        # (a_by_input).
         self.a_by_input = punica.a_by_input
         self.b_by_rank = punica.weights_transposed or punica.grouped_kernel
         for i, size in enumerate(self.output_slices):

@@ -10,7 +10,7 @@ S = 0 traces no LoRA op at all, and the cost of the LoRA ops grows with S, not m
 Single device (`fuse_slices`): every op indexes the full stacked buffers by device slot,
 and on the xla backend they are held transposed, `lora_a[max_loras, D, R]` /
 `lora_b[max_loras, R, O]` (`weights_transposed`; on a TPU A stays `[max_loras, R, D]`,
-`a_by_input`, as a minor rank axis is padded to 128 lanes there; tensor parallelism keeps PEFT's
+`a_by_input`; tensor parallelism keeps PEFT's
 `[max_loras, R, D]` / `[max_loras, O, R]`, the pallas backend PEFT's A and B rank-first,
 `grouped_kernel`): XLA CPU reduces a per-token
 product fastest over a non-minor axis, where the output's minor axis vectorises, and the
@@ -22,10 +22,9 @@ would copy every slot's weights):
   - xla on a TPU, every graph with S >= 2 "onehot" (S = 1: "single"): the S active
     adapters' weights copied out, one product over all of them in token order selected
     by a [T, S] one-hot (no gather of rows, no scatter back). It measured faster there
-    than the Pallas path wherever slots x rank <= 1024 (up to 64 slots of rank 16 or 2
-    of rank 512), and than a one-hot over every device slot up to 16 x 16 and 4 x 64
-    (step_layout; "auto" picks this backend on a TPU only within
-    step_layout.tpu_onehot_measured: max_loras <= 64 and max_loras * max_lora_rank <= 1024).
+    than every Pallas composition (the segment kernels up to slots x rank 1024, the
+    fused grouped kernel at 128 slots of rank 16 and 16-256 tokens) and than a one-hot
+    over every device slot (step_layout), so "auto" picks it on a TPU.
   - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64
     tokens, where S is above half of max_loras, "slots": each adapter's tokens in its
     own device slot's rows, one batched matmul per slice over the buffers as they lie
@@ -60,15 +59,13 @@ from vllm_tpu_lora.runner import buckets
 
 
 def resolve_lora_backend(requested: str, max_loras: int, max_rank: int) -> str:
-    """The LoRA backend of a single-device engine: "auto" is the xla backend off a TPU;
-    on a TPU it is too (its onehot strategy) within step_layout.tpu_onehot_measured, the
-    range where that was measured faster than the Pallas path, and "pallas" beyond it.
-    An explicit choice stands. (The op-level ops.resolve_backend maps "auto" to the
-    kernels on a TPU; this is the engine's rule.)"""
+    """The LoRA backend of a single-device engine: "auto" is the xla backend everywhere,
+    on a TPU its onehot strategy, which beat every Pallas composition measured on a v5e
+    (step_layout's notes; max_loras and max_rank are what a measurement that turns would
+    key on). An explicit choice stands. (The op-level ops.resolve_backend maps "auto" to
+    the kernels on a TPU; this is the engine's rule.)"""
     if requested != "auto":
         return ops.resolve_backend(requested)
-    if platform.is_tpu() and not step_layout.tpu_onehot_measured(max_loras, max_rank):
-        return "pallas"
     return "xla"
 
 
@@ -109,10 +106,11 @@ class PunicaWrapper:
 
     @property
     def a_by_input(self) -> bool:
-        """A held [N, D, R]: the xla fused path off a TPU. A TPU tiles an array's two minor
-        axes by (8-16, 128), so a minor rank axis of 16 is padded to 128 lanes: 8x the
-        bytes held and read per slot (v5e: 8 adapters cost +1.1 ms a decode step of the
-        Llama-3.2-1B shape). There A stays PEFT's [N, R, D], like B rank-first."""
+        """A held [N, D, R]: the xla fused path off a TPU. There A stays PEFT's [N, R, D],
+        rank-first like B: the layout of the grouped Pallas kernel too, and no minor axis
+        of rank width, which a TPU's (8-16, 128) tiles may pad to 128 lanes. Measured on
+        a v5e's layer benchmark (32 tokens, 32 slots of rank 16, 8 and 32 in use), onehot
+        over rank-first A took 0.97-0.99x the time over [N, D, R]."""
         return self.weights_transposed and not self.on_tpu
 
     # ---- per step ----

@@ -129,22 +129,14 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 #   S*R = 2048: N=32 R=64 0.59 | 0.61, 0.44 | 0.53, 0.61 | 0.54;  N=16 R=128 0.55 | 0.72,
 #               0.48 | 0.54, 0.59 | 0.54 (onehot loses at 1024 tokens)
 #   S*R = 4096: N=32 R=128 0.53 | 0.49, 0.36 | 0.38, 0.56 | 0.38
-# and at 64 / 128 tokens (decode buckets) N=16 R=16: 0.65 | 0.85, 0.62 | 0.84. So "auto"
-# picks onehot while max_loras * max_lora_rank <= 1024, where it won at every token count
-# measured (16-1024; more tokens were not), and max_loras <= 64 (more slots were not
-# measured); Pallas beyond. The rule goes by max_loras, the widest step; steps using fewer
-# of the slots run a narrower one-hot (8 of 32 slots at rank 16: onehot 0.87 and 0.85 at
-# 16 and 1024 tokens, Pallas 0.70 and 0.65), so past the rule an engine whose steps use
-# few of its slots may lose by running Pallas (no such step past the rule was measured).
+# and at 64 / 128 tokens (decode buckets) N=16 R=16: 0.65 | 0.85, 0.62 | 0.84. Those
+# Pallas figures are the per-slice segment path, which the engine no longer runs: its
+# linears run the fused grouped kernel (ops/grouped_lora.py), which lost to onehot at
+# every shape measured (run 12, 128 slots of rank 16, 1/8/32/128 in use: 1.4-1.7x
+# onehot's delta at 16 tokens, 1.2-3.0x at 256). So on a TPU "auto" is onehot at any
+# max_loras and rank (punica.resolve_lora_backend). Not measured: the grouped kernel at
+# 1024 tokens, where FLOPs favour it most, and rank 64 past 16 slots.
 # On XLA CPU the table above wins (onehot is its fallback at a few buckets only).
-TPU_ONEHOT_MAX_WIDTH = 1024  # max_loras * max_lora_rank
-TPU_ONEHOT_MAX_LORAS = 64
-
-
-def tpu_onehot_measured(max_loras: int, max_rank: int) -> bool:
-    """Whether a TPU engine's slots fall within the range where onehot was measured
-    faster than the Pallas path (lora_backend="auto" picks xla there)."""
-    return max_loras <= TPU_ONEHOT_MAX_LORAS and max_loras * max_rank <= TPU_ONEHOT_MAX_WIDTH
 
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
