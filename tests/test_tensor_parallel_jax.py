@@ -37,9 +37,10 @@ def results(llama_dir, tmp_path_factory):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     with open(args["out"]) as f:
-        out = json.load(f)["configs"]
+        data = json.load(f)
+    out = data["configs"]
     assert "error" not in out[0], out[0]["error"]
-    return out[0], out[1:], adapters
+    return out[0], out[1:], adapters, data["tpu_export"]
 
 
 @pytest.fixture(params=range(len(CONFIGS)), ids=IDS)
@@ -62,7 +63,7 @@ def test_reference_equals_peft(llama_dir, results):
     """The TP=1 reference every config equals is itself PEFT's greedy output, phase by
     phase (tp_worker.run_workload's prompts and adapters; a removed adapter read again
     serves the same weights)."""
-    reference, _, adapters = results
+    reference, _, adapters, _ = results
     prompts = sample_prompt_token_ids(8, seed=3, max_len=24)
     names = {i + 1: f"a{i + 1}" for i in range(len(adapters))}
     oracle = load_oracle_model(llama_dir, {names[i + 1]: p for i, p in enumerate(adapters)})
@@ -140,3 +141,20 @@ def test_compiled_step_collectives(run):
     assert len(sampler) == 2  # greedy and full
     for g in sampler:
         assert [s for found in g["collectives"]["all-gather"] for s in found] == [[8, VOCAB]]
+
+
+@pytest.mark.parametrize("index,tp", [(0, 2), (1, 4)])
+def test_ragged_kernel_inside_shard_map_lowers_for_tpu(results, index, tp):
+    """What a slice of TPU chips would compile, short of running it (the lent machine is
+    one chip): the engine's head-parallel attention, JAX's ragged paged attention kernel
+    inside the mesh's shard_map, exported for the TPU platform over 4 devices. The
+    kernel is one Mosaic call inside the manual region, on each device's own heads:
+    q [16, 4 / tp heads, 128]; KV pages of one kv head (k and v) per device, the 2 kv
+    heads replicated over the `rep` axis at TP=4."""
+    res = results[3][index]
+    assert "error" not in res, res["error"]
+    assert res["tp"] == tp and res["nr_devices"] == 4 and res["platforms"] == ["tpu"]
+    assert res["kernels"] == 1 and res["kernel_after_region"]
+    q_local, kv_local = res["manual_args"][:2]
+    assert q_local == f"tensor<16x{4 // tp}x128xbf16>", res["manual_args"]
+    assert kv_local == "tensor<128x2x128xbf16>", res["manual_args"]

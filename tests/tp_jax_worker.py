@@ -69,6 +69,54 @@ def check_engine(model: str, adapters: list[str], tp: int, fully_sharded: bool) 
     return res
 
 
+def tpu_attention_export(tp: int, kv_groups: int = 2) -> dict:
+    """The head-parallel attention as the engine wraps it on a TPU (JAX's ragged paged
+    attention kernel inside the mesh's shard_map), exported for the TPU platform over
+    this process's 4 devices: what of the lowering a multi-chip run would compile. The
+    kernel picks its block sizes from a table keyed by the TPU generation it runs on;
+    with none here they are fixed (4 pages, 16 queries per block)."""
+    import dataclasses
+
+    import jax
+    import jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel as rpa
+    import jax.numpy as jnp
+    from jax import export
+    from torchax import interop
+
+    from vllm_tpu_lora.layers.attention import AttentionMetadata, paged_attention_tpu
+    from vllm_tpu_lora.parallel.attention import HeadParallelAttention
+    from vllm_tpu_lora.parallel.mesh import JaxTPMesh
+    from vllm_tpu_lora.torchax_compat import import_torchax
+
+    torchax = import_torchax()
+    rpa.get_tuned_block_sizes = lambda *a, **k: (4, 16)
+    heads, head_dim, block, pages, t, seqs, per_seq = 4, 128, 16, 8, 16, 4, 4
+    tpm = JaxTPMesh(tp, NUM_DEVICES, kv_groups)
+    attn = HeadParallelAttention(paged_attention_tpu, tpm, kv_groups)
+    names = [f.name for f in dataclasses.fields(AttentionMetadata)]
+    meta = {"slot_mapping": (t,), "q_block_token_idx": (1, t), "q_block_tables": (1, per_seq),
+            "q_block_kv_lens": (1, t), "token_out_index": (t,), "seq_kv_lens": (seqs,),
+            "seq_block_tables": (seqs, per_seq), "cu_q_lens": (seqs + 1,), "num_seqs": (1,)}
+
+    def step(q, kv, *fields):
+        return attn(q, (kv,), AttentionMetadata(**dict(zip(names, fields))), block, 0.125)
+
+    specs = [jax.ShapeDtypeStruct((t, heads, head_dim), jnp.bfloat16, sharding=tpm.sharding(3, 1)),
+             jax.ShapeDtypeStruct((pages * block, 2 * kv_groups, head_dim), jnp.bfloat16,
+                                  sharding=tpm.sharding(3, 1, kv_groups))]
+    specs += [jax.ShapeDtypeStruct(meta[n], jnp.int32, sharding=tpm.sharding(len(meta[n]), None))
+              for n in names]
+    with torchax.default_env():
+        text = export.export(jax.jit(interop.jax_view(step)), platforms=["tpu"])(*specs)
+    module = text.mlir_module()
+    region = re.search(r"sdy\.manual_computation\(.*?\) \{", module)
+    return {"tp": tp, "nr_devices": text.nr_devices, "platforms": list(text.platforms),
+            "kernels": module.count("tpu_custom_call("),
+            "manual_args": re.findall(r"tensor<[^>]*>", region.group(0)) if region else None,
+            "kernel_after_region": bool(region) and module.index("tpu_custom_call(")
+            > region.start()}
+
+
 def main(args: dict) -> dict:
     os.environ["VLLM_TPU_LORA_CHECK_RECOMPILATION"] = "1"
     import jax
@@ -80,6 +128,12 @@ def main(args: dict) -> dict:
             results["configs"].append(check_engine(args["model"], args["adapters"], **cfg))
         except Exception:  # reported to the test, which fails with the traceback
             results["configs"].append({**cfg, "error": traceback.format_exc()})
+    results["tpu_export"] = []
+    for tp in (2, 4):
+        try:
+            results["tpu_export"].append(tpu_attention_export(tp))
+        except Exception:
+            results["tpu_export"].append({"tp": tp, "error": traceback.format_exc()})
     return results
 
 
