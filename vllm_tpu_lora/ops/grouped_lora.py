@@ -8,12 +8,12 @@ as T*S*R*(D+O); the segment kernels (pallas_kernels.py) pad each adapter's token
 token block and run a rank-R-wide matmul per block, which leaves the 128-lane MXU 1/8
 used at rank 16 and pads 8 tokens of an adapter to a whole block.
 
-Formulation. Tokens are sorted by slot (one argsort per step) and cut into tiles of TM
-rows. Slots are grouped G at a time so that a group's ranks fill 128 lanes (G = 128 / R
+Formulation. Tokens are sorted by slot (one argsort per step; not when the step fits
+one tile) and cut into tiles of TM rows. Slots are grouped G at a time so that a group's ranks fill 128 lanes (G = 128 / R
 at rank 16: 8 slots): a group's A is [G*R, D] and its B [G*R, O], free reshapes of the
 stacked slot buffers A [S, R, D] and B [S, R, O] (rank-first). Sorted tokens of one tile
-touch a contiguous run of groups, so the kernel visits (tile, group) work items, in
-order, each:
+touch a contiguous run of groups; the kernel visits the (tile, group) work items whose
+group holds a slot of the tile's tokens, in order, each:
 
     y   = x_tile [TM, D] @ A_g.T           one MXU-wide shrink, [TM, G*R]
     y  *= (slot of row == slot of lane)     keep each token's own adapter's ranks
@@ -84,33 +84,50 @@ def _i32(value) -> jax.Array:
 
 def group_plan(token_slot: jax.Array, num_slots: int, group: int, tile: int) -> GroupPlan:
     """The plan for tokens on slots token_slot [T] (-1: no adapter) of num_slots slots,
-    grouped `group` at a time, in tiles of `tile` sorted rows. Static shapes only."""
+    grouped `group` at a time, in tiles of `tile` sorted rows. Static shapes only.
+
+    One tile (T <= tile, every decode step): rows stay in token order, as a tile's
+    rows need no order (each row's lanes are selected by its own slot) and the sort and
+    its two gathers would be passes over x and the output for nothing."""
     t = token_slot.shape[0]
     t_pad = -(-t // tile) * tile
     n_tiles, n_groups = t_pad // tile, num_slots // group
     none, g = _i32(num_slots), _i32(group)
     key = jnp.where(token_slot < _i32(0), none, token_slot.astype(jnp.int32))
     key = jnp.concatenate([key, jnp.full((t_pad - t,), num_slots, jnp.int32)])
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    sorted_key = key[order]
-    inverse = jnp.zeros(t_pad, jnp.int32).at[order].set(jnp.arange(t_pad, dtype=jnp.int32))
-    tiles = sorted_key.reshape(n_tiles, tile)
-    used = tiles < none
-    any_used = used.any(axis=1)
-    lo = jnp.min(jnp.where(used, tiles, none), axis=1)
-    hi = jnp.max(jnp.where(used, tiles, _i32(-1)), axis=1)
-    g_lo = jnp.where(any_used, jax.lax.div(lo, g), _i32(0))
-    g_hi = jnp.where(any_used, jax.lax.div(hi, g), _i32(0))
-    count = g_hi - g_lo + _i32(1)  # a tile without adapter tokens still gets one (skipped) item
-    ends = jnp.cumsum(count, dtype=jnp.int32)
+    if n_tiles == 1:
+        order = jnp.arange(t_pad, dtype=jnp.int32)
+        sorted_key, inverse = key, order
+    else:
+        order = jnp.argsort(key, stable=True).astype(jnp.int32)
+        sorted_key = key[order]
+        inverse = jnp.zeros(t_pad, jnp.int32).at[order].set(jnp.arange(t_pad, dtype=jnp.int32))
+    # used[i, j]: a row of tile i is on a slot of group j. Only those pairs are visited:
+    # with slots scattered over the buffers (LRU assignment) the groups between a tile's
+    # lowest and highest slot may hold no adapter of the step.
+    rows = jnp.arange(n_tiles, dtype=jnp.int32)[:, None]
+    tile_group = jax.lax.div(sorted_key.reshape(n_tiles, tile), g)  # n_groups: no adapter
+    used = jnp.zeros((n_tiles, n_groups + 1), jnp.bool_).at[rows, tile_group].set(True)
+    used = used[:, :n_groups]
+    # A tile without adapter tokens still gets one (skipped) item: its output block is
+    # written, as zeros.
+    visit = used.at[:, 0].set(used[:, 0] | ~used.any(axis=1))
+    # At most tiles + groups - 1 pairs: sorted, a tile's groups overlap the next tile's
+    # in at most one. The grid is that static bound; the items past the real count
+    # re-point at the last real item (no DMA) and skip the math.
     n_work = n_tiles + n_groups - 1
+    flat = visit.reshape(-1)
+    count = jnp.sum(flat, dtype=jnp.int32)
+    # Each visited pair's place in the list (jnp.nonzero's Python-int defaults would be
+    # int64 under x64, see _i32).
+    place = jnp.where(flat, jnp.cumsum(flat, dtype=jnp.int32) - _i32(1), _i32(n_work))
+    items = jnp.zeros(n_work, jnp.int32).at[place].set(
+        jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
     w = jnp.arange(n_work, dtype=jnp.int32)
-    real = w < ends[-1]
-    # Item w's tile: how many tiles' items end at or before it (a few dozen compares).
-    w_tile = jnp.minimum(jnp.sum(ends[None, :] <= w[:, None], axis=1, dtype=jnp.int32),
-                         _i32(n_tiles - 1))
-    w_group = jnp.where(real, g_lo[w_tile] + w - (ends[w_tile] - count[w_tile]), g_hi[-1])
-    live = (real & any_used[w_tile]).astype(jnp.int32)
+    real = w < count
+    items = jnp.where(real, items, items[count - _i32(1)])
+    w_tile, w_group = jax.lax.div(items, _i32(n_groups)), jax.lax.rem(items, _i32(n_groups))
+    live = (real & used.reshape(-1)[items]).astype(jnp.int32)
     sorted_slot = jnp.where(sorted_key < none, sorted_key, _i32(-1))[:, None]
     return GroupPlan(order, inverse[:t], sorted_slot, w_tile, w_group, live)
 
@@ -250,11 +267,16 @@ def grouped_lora(x, weights, token_slot, *, plan=None, interpret=False, precisio
     group, tile = slots_per_group(s, r), token_tile(x.shape[0])
     if plan is None:
         plan = group_plan(token_slot, s, group, tile)
-    xs = x[jnp.minimum(plan.order, _i32(x.shape[0] - 1))]
+    t = x.shape[0]
+    one_tile = t <= tile  # rows in token order (group_plan)
+    if one_tile:  # padded by concatenation: jnp.pad's jitted helper would meet x64 (_i32)
+        xs = jnp.concatenate([x, jnp.zeros((tile - t, x.shape[1]), x.dtype)]) if tile > t else x
+    else:
+        xs = x[jnp.minimum(plan.order, _i32(t - 1))]
     outs = [grouped_kernel(plan, xs, a, b, group=group, tile=tile, interpret=interpret,
                            precision=precision) for a, b in weights]
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-    return out[plan.inverse]
+    return out[:t] if one_tile else out[plan.inverse]
 
 
 def grouped_delta(x, token_slot, weights, *, interpret=False, precision="default"):
