@@ -171,9 +171,8 @@ def test_tpu_backend_rule_and_onehot_table(monkeypatch):
 
     for tpu in (False, True):
         monkeypatch.setattr(punica_mod.platform, "is_tpu", lambda tpu=tpu: tpu)
-        for loras, rank in ((64, 16), (2, 512), (128, 16), (32, 128), (1, 8)):
-            assert punica_mod.resolve_lora_backend("auto", loras, rank) == "xla", (loras, rank)
-        assert punica_mod.resolve_lora_backend("pallas", 8, 16) == "pallas"
+        assert punica_mod.resolve_lora_backend("auto") == "xla", tpu
+        assert punica_mod.resolve_lora_backend("pallas") == "pallas"
     punica = PunicaWrapper("xla", fuse_slices=True)
     punica.max_loras = 16
     assert punica.on_tpu

@@ -103,7 +103,7 @@ class LLMEngine:
         lc = self.config.lora_config
         lora_dtype = dtype if lc.lora_dtype == "auto" else resolve_dtype(lc.lora_dtype)
         backend = (self.tp.lora_backend(lc.lora_backend) if self.tp else
-                   resolve_lora_backend(lc.lora_backend, lc.max_loras, lc.max_lora_rank))
+                   resolve_lora_backend(lc.lora_backend))
         punica = PunicaWrapper(backend, fuse_slices=self.tp is None)
         self._log_lora_backend(backend, lc)
         punica.slot_vectors = lc.enable_lora_bias or lc.enable_dora

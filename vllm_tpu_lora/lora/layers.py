@@ -5,9 +5,9 @@ Each wrapped layer owns preallocated stacked buffers, one pair per output slice:
 `lora_a[max_loras, max_rank, in]` and `lora_b[max_loras, out_slice, max_rank]`, zero
 padded to max_rank (the embedding keeps its A by token: `[max_loras, vocab, max_rank]`).
 On the xla backend's fused path B is held rank-first, `[max_loras, max_rank, out_slice]`,
-and off a TPU A by input, `[max_loras, in, max_rank]` (layer flags a_by_input / b_by_rank;
-see PunicaWrapper.weights_transposed and a_by_input). Loading an adapter only writes data into a slot of
-these buffers.
+and off a TPU A by input, `[max_loras, in, max_rank]` (layer flags a_by_input /
+b_by_rank; see PunicaWrapper.weights_transposed and a_by_input). Loading an adapter only
+writes data into a slot of these buffers.
 """
 
 from __future__ import annotations

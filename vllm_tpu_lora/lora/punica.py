@@ -58,12 +58,12 @@ from vllm_tpu_lora.ops.block_sizes import token_block
 from vllm_tpu_lora.runner import buckets
 
 
-def resolve_lora_backend(requested: str, max_loras: int, max_rank: int) -> str:
+def resolve_lora_backend(requested: str) -> str:
     """The LoRA backend of a single-device engine: "auto" is the xla backend everywhere,
     on a TPU its onehot strategy, which beat every Pallas composition measured on a v5e
-    (step_layout's notes; max_loras and max_rank are what a measurement that turns would
-    key on). An explicit choice stands. (The op-level ops.resolve_backend maps "auto" to
-    the kernels on a TPU; this is the engine's rule.)"""
+    at every slot count and rank (step_layout's notes). An explicit choice stands. (The
+    op-level ops.resolve_backend maps "auto" to the kernels on a TPU; this is the
+    engine's rule.)"""
     if requested != "auto":
         return ops.resolve_backend(requested)
     return "xla"

@@ -1,8 +1,8 @@
 """LoRA ops with backend dispatch: "xla" (plain torch ops), "pallas" (Pallas kernel via
 call_jax) or "auto" (pallas on TPU, xla elsewhere). This is the op-level meaning of
 "auto"; the engine's lora_backend="auto" is resolved by lora/punica.py
-`resolve_lora_backend`, which on a TPU prefers the xla backend's onehot strategy for
-small adapter sets.
+`resolve_lora_backend`, which picks the xla backend (on a TPU its onehot strategy) at
+every size.
 
 Named dims: T tokens, D in-features, O out-features, R rank, N slots.
 

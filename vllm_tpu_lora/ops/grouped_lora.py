@@ -9,8 +9,8 @@ token block and run a rank-R-wide matmul per block, which leaves the 128-lane MX
 used at rank 16 and pads 8 tokens of an adapter to a whole block.
 
 Formulation. Tokens are sorted by slot (one argsort per step; not when the step fits
-one tile) and cut into tiles of TM rows. Slots are grouped G at a time so that a group's ranks fill 128 lanes (G = 128 / R
-at rank 16: 8 slots): a group's A is [G*R, D] and its B [G*R, O], free reshapes of the
+one tile) and cut into tiles of TM rows. Slots are grouped G at a time so that a
+group's ranks fill 128 lanes (G = 128 / R at rank 16: 8 slots): a group's A is [G*R, D] and its B [G*R, O], free reshapes of the
 stacked slot buffers A [S, R, D] and B [S, R, O] (rank-first). Sorted tokens of one tile
 touch a contiguous run of groups; the kernel visits the (tile, group) work items whose
 group holds a slot of the tile's tokens, in order, each:

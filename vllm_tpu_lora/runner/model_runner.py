@@ -273,7 +273,8 @@ class ModelRunner:
                 warm = self.lora_manager.warmup_adapter()
                 for k in self.lora_manager.write_batch_sizes:  # every batch size, once
                     self.lora_manager.write_slots([(slot, warm) for slot in range(k)])
-                # Then every slot holds real weights, written in the fewest calls.
+                # Then every slot holds real weights for the forwards run below (torch_xla;
+                # inside the jax runtime's background compiles nothing runs).
                 self.lora_manager.write_slots([(slot, warm)
                                                for slot in range(self.lora_manager.max_loras)])
             for t_b, s_b, w_b, fallback in forwards:
