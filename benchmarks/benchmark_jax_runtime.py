@@ -59,6 +59,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="the random model's dtype (--small: float32)")
     p.add_argument("--anchor-calls", type=int, default=30)
+    p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked", "gathered"],
+                   help="the anchor's LoRA variants per adapter count (none: base only)")
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
     args = apply_small(p.parse_args())
     if args.small:
@@ -178,8 +180,10 @@ def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out)
           "trace_s": getattr(engine.runner.capture, "trace_seconds", None),
           "compile_s": getattr(engine.runner.capture, "compile_seconds", None)}, out)
     # The anchor first: a call cut off at its time limit still has it beside the engine.
-    anchor = anchor_row(llm, work, args)
-    emit(anchor, out)
+    anchors = anchor_rows(llm, work, args)
+    for row in anchors:
+        emit(row, out)
+    anchor = anchors[0]
     reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
     for r in reqs:  # read into the host cache now: the timed runs measure serving
         engine.add_lora(r)
@@ -218,34 +222,52 @@ def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out)
     return rows
 
 
-def anchor_row(llm, work, args) -> dict:
+def anchor_rows(llm, work, args) -> list[dict]:
     """The engine's own weights (its device arrays, on the jax runtime) in a plain jax.jit
-    decode step: batch max_num_seqs, contexts as the engine's first decode wave had."""
+    decode step: batch max_num_seqs, contexts as the engine's first decode wave had. Then
+    the same step with each adapter count's one-hot LoRA from the engine's slot buffers
+    (jax_anchor: "stacked" over the first n slots as they lie, "gathered" by index): the
+    cost of LoRA in plain JAX on this chip, like against like for the engine's ratios."""
     engine = llm.llm_engine
     if engine.runtime.name != "jax":
-        return {"row": "anchor", "ms": None, "why": "weights are read from a jax-runtime engine"}
-    import jax
+        return [{"row": "anchor", "ms": None, "why": "weights are read from a jax-runtime engine"}]
     from jax_anchor import build_anchor
 
     b = args.max_num_seqs
     ctx = [len(p) + o // 2 for p, o in work[:b]]
-    step, state, inputs = build_anchor(engine.runner.model, ctx, engine.config.cache_config.block_size)
+    block = engine.config.cache_config.block_size
+    base = time_anchor(*build_anchor(engine.runner.model, ctx, block), args.anchor_calls)
+    rows = [{"row": "anchor", **base, "batch": b, "mean_context": float(np.mean(ctx)),
+             "calls": args.anchor_calls}]
+    for n in args.num_adapters:
+        for form in args.anchor_lora_forms:
+            t = time_anchor(*build_anchor(engine.runner.model, ctx, block, n, form),
+                            args.anchor_calls)
+            rows.append({"row": "anchor_lora", "adapters": n, "form": form, **t,
+                         "vs_base": base["ms"] / t["ms"],
+                         "vs_base_pipelined": base["pipelined_ms"] / t["pipelined_ms"]})
+    return rows
+
+
+def time_anchor(step, state, inputs, calls: int) -> dict:
+    """The median synced call, and pipelined calls: launched back to back, one wait at the
+    end (what the engine's async decode steps are, minus the engine): device time plus
+    what dispatch cannot hide."""
+    import jax
+
     state = step(state, *inputs)[1]
     ts = []
-    for _ in range(args.anchor_calls):
+    for _ in range(calls):
         t0 = time.perf_counter()
         tok, state = step(state, *inputs)
         jax.block_until_ready(tok)
         ts.append(1e3 * (time.perf_counter() - t0))
-    # Pipelined: calls launched back to back, one wait at the end (what the engine's
-    # async decode steps are, minus the engine): device time plus what dispatch cannot hide.
     t0 = time.perf_counter()
-    for _ in range(args.anchor_calls):
+    for _ in range(calls):
         tok, state = step(state, *inputs)
     jax.block_until_ready(tok)
-    pipelined = 1e3 * (time.perf_counter() - t0) / args.anchor_calls
-    return {"row": "anchor", "ms": statistics.median(ts), "pipelined_ms": pipelined, "batch": b,
-            "mean_context": float(np.mean(ctx)), "calls": args.anchor_calls}
+    return {"ms": statistics.median(ts),
+            "pipelined_ms": 1e3 * (time.perf_counter() - t0) / calls}
 
 
 def main() -> int:

@@ -5,6 +5,12 @@ Same weights (the device arrays of a jax-runtime engine's modules, no copy), sam
 contexts and page size; attention is the same ragged paged attention kernel on a TPU
 (its reference implementation elsewhere); the KV pages are donated. No LoRA, no
 sampling beyond argmax: what a hand-written step of this model costs on this chip.
+
+With `lora_adapters=n` every linear also adds its LoRA delta from the engine's own slot
+buffers, as plain JAX would write it: token t takes adapter t % n, each slice a one-hot
+product over n adapters' A and B. `lora_form` "stacked" reads the first n slots as they
+lie (no copy: what a step with every slot in use can do); "gathered" takes the n active
+slots by index first (a device array, as the engine's step does).
 """
 
 from __future__ import annotations
@@ -22,6 +28,27 @@ def _linear(module):
     return _array(getattr(module, "base_layer", module).weight_t)
 
 
+def _lora_slices(module) -> list[tuple]:
+    """(A, B) per output slice of a LoRA linear; [] without LoRA. A is [N, R, D], or
+    [N, D, R] where the engine holds it so (its `a_by_input`)."""
+    if not hasattr(module, "lora_a"):
+        return []
+    return list(zip(map(_array, module.lora_a), map(_array, module.lora_b)))
+
+
+def _lora_delta(h, slices, onehot, active, form: str, by_input: bool):
+    """h [T, D] -> the concatenated slices' deltas [T, O], token t's own adapter selected by
+    onehot [T, n] (the n adapters: the first n slots, or `active`'s)."""
+    n, deltas = onehot.shape[1], []
+    with jax.named_scope("lora"):  # as the engine's (profile_step.py tells them apart)
+        for a, b in slices:
+            a, b = (a[:n], b[:n]) if form == "stacked" else (a[active], b[active])
+            xa = jnp.einsum("td,ndr->tnr" if by_input else "td,nrd->tnr", h, a)
+            xa = xa * onehot[:, :, None].astype(xa.dtype)
+            deltas.append(jnp.einsum("tnr,nro->to", xa, b))
+        return jnp.concatenate(deltas, -1)
+
+
 def _weights(model) -> dict:
     layers = model.model.layers
     attn = layers[0].self_attn
@@ -36,8 +63,13 @@ def _weights(model) -> dict:
             "ln2": _array(layer.post_attention_layernorm.weight),
             "qkv": _linear(layer.self_attn.qkv_proj), "o": _linear(layer.self_attn.o_proj),
             "gu": _linear(layer.mlp.gate_up_proj), "down": _linear(layer.mlp.down_proj),
+            "lora": {"qkv": _lora_slices(layer.self_attn.qkv_proj),
+                     "o": _lora_slices(layer.self_attn.o_proj),
+                     "gu": _lora_slices(layer.mlp.gate_up_proj),
+                     "down": _lora_slices(layer.mlp.down_proj)},
         } for layer in layers],
         "dims": (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale),
+        "a_by_input": getattr(layers[0].self_attn.qkv_proj, "a_by_input", False),
     }
 
 
@@ -76,11 +108,19 @@ def _pad_last(x, n: int):
     return x if x.shape[-1] == n else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
 
 
-def build_anchor(model, contexts: list[int], page_size: int):
+def build_anchor(model, contexts: list[int], page_size: int, lora_adapters: int = 0,
+                 lora_form: str = "stacked"):
     """(step, pages, inputs): `step(pages, *inputs) -> (token ids, pages)`, jitted with
-    the pages donated, for a decode step of len(contexts) sequences."""
+    the pages donated, for a decode step of len(contexts) sequences (LoRA: the module
+    docstring)."""
     w = _weights(model)
+    if not lora_adapters:
+        for lw in w["layers"]:
+            lw.pop("lora")
+    elif not w["layers"][0]["lora"]["qkv"]:
+        raise ValueError("lora_adapters needs an engine with LoRA enabled")
     nh, kvh, hd, scale = w.pop("dims")
+    a_by_input = w.pop("a_by_input")
     b = len(contexts)
     pages_per_seq = -(-max(contexts) // page_size) + 1
     num_pages = b * pages_per_seq + 1
@@ -95,18 +135,30 @@ def build_anchor(model, contexts: list[int], page_size: int):
     inputs = (jnp.asarray(np.arange(b, dtype=np.int32) % 1000 + 3), jnp.asarray(pos),
               jnp.asarray(kv_lens), jnp.asarray(page_indices),
               jnp.arange(b + 1, dtype=jnp.int32), jnp.asarray([b], jnp.int32),
-              jnp.asarray(slots, np.int32))
+              jnp.asarray(slots, np.int32),
+              jnp.asarray(np.arange(b) % max(lora_adapters, 1), np.int32),
+              jnp.arange(max(lora_adapters, 1), dtype=jnp.int32))
     attention = _attention((kv_lens, page_indices, np.arange(b + 1, dtype=np.int32),
                             np.asarray([b], np.int32)))
 
     # Weights are arguments, as the engine's graphs take them: closed over, they became
     # 3 GB of constants baked into the executable.
-    def step(w, pages, tok, pos, kv_lens, page_indices, cu_q_lens, num_seqs, slots):
+    def step(w, pages, tok, pos, kv_lens, page_indices, cu_q_lens, num_seqs, slots,
+             token_adapter, active):
+        onehot = token_adapter[:, None] == jnp.arange(lora_adapters)
+
+        def linear(h, lw, name):
+            y = h @ lw[name]
+            if lora_adapters:
+                y = y + _lora_delta(h, lw["lora"][name], onehot, active, lora_form,
+                                    a_by_input).astype(y.dtype)
+            return y
+
         x = w["embed"][tok]
         new_pages = []
         for lw, pg in zip(w["layers"], pages):
             h = _rms(x, lw["ln1"])
-            qkv = h @ lw["qkv"]
+            qkv = linear(h, lw, "qkv")
             q = _rope(qkv[:, :nh * hd].reshape(b, nh, hd), pos, w["inv_freq"])
             k = _rope(qkv[:, nh * hd:(nh + kvh) * hd].reshape(b, kvh, hd), pos, w["inv_freq"])
             v = qkv[:, (nh + kvh) * hd:].reshape(b, kvh, hd)
@@ -115,11 +167,18 @@ def build_anchor(model, contexts: list[int], page_size: int):
             new_pages.append(pg)
             a = attention(_pad_last(q, hp), pg, kv_lens, page_indices, cu_q_lens, num_seqs,
                           sm_scale=scale)[..., :hd]
-            x = x + a.reshape(b, nh * hd) @ lw["o"]
-            g, u = jnp.split(_rms(x, lw["ln2"]) @ lw["gu"], 2, -1)
-            x = x + (jax.nn.silu(g) * u) @ lw["down"]
+            x = x + linear(a.reshape(b, nh * hd), lw, "o")
+            g, u = jnp.split(linear(_rms(x, lw["ln2"]), lw, "gu"), 2, -1)
+            x = x + linear(jax.nn.silu(g) * u, lw, "down")
         logits = (_rms(x, w["norm"]) @ w["head"]).astype(jnp.float32)
         return jnp.argmax(logits, -1), new_pages
 
+    step.__name__ = f"anchor_lora{lora_adapters}_{lora_form}" if lora_adapters else "anchor"
     jitted = jax.jit(step, donate_argnums=(1,))
-    return (lambda pages, *args: jitted(w, pages, *args)), pages, inputs
+
+    def run(pages, *args):
+        return jitted(w, pages, *args)
+
+    page_types = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages]  # donated later
+    run.hlo_text = lambda: jitted.lower(w, page_types, *inputs).compile().as_text()
+    return run, pages, inputs

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on the lent TPU v5e (docs/tpu.md): install from the machine's own wheel folders
-# (if this machine has not yet), then each step named: tests | bench | layer | sec.
+# (if this machine has not yet), then each step named: tests | bench | profile | layer | sec.
 #   bash benchmarks/lent_tpu.sh tests            # tests/test_tpu.py -> $OUT/tpu_tests.log
 #   BENCH_ARGS="--num-adapters 8 32" bash benchmarks/lent_tpu.sh bench
 #   LAYER_ARGS="--tokens 32 --slots 8 32" bash benchmarks/lent_tpu.sh layer
+#   PROFILE_ARGS="--max-loras 8 32" bash benchmarks/lent_tpu.sh profile  # $OUT/profile/
 # The wheels the machine lacks (torchax, peft, accelerate, psutil) travel in .whl-tpu/
 # (the device tool's `carry`); TESTS_ARGS / BENCH_S / LAYER_S narrow or bound a step.
 set -u
@@ -26,6 +27,9 @@ for what in "$@"; do
     sec) echo "t=$SECONDS" ;;
     # The whole log goes to $OUT as it is written: a call cut off at its limit still says how far it got.
     bench) timeout ${BENCH_S:-540} python3 -u benchmarks/benchmark_jax_runtime.py --out $OUT/jax_runtime.jsonl ${BENCH_ARGS:-} > $OUT/bench.log 2>&1; echo "bench rc $?"; tail -c 3000 $OUT/bench.log ;;
+    # Perfetto traces, the profiled graphs' HLO and profile.jsonl (xplane files dropped).
+    profile) timeout ${PROFILE_S:-420} python3 -u benchmarks/profile_step.py --out-dir $OUT/profile ${PROFILE_ARGS:-} > $OUT/profile.log 2>&1; echo "profile rc $?"
+             find $OUT/profile -name '*.xplane.pb' -delete; tail -c 1500 $OUT/profile.log ;;
     layer) timeout ${LAYER_S:-300} python3 -u benchmarks/tpu_lora_layer.py --out $OUT/lora_layer.jsonl ${LAYER_ARGS:-} > $OUT/layer.log 2>&1; echo "layer rc $?"; tail -c 3000 $OUT/layer.log ;;
   esac
 done

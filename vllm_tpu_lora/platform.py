@@ -8,6 +8,7 @@ installed, and sets PJRT_DEVICE to the platform JAX found, so `is_tpu()` answers
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -97,6 +98,19 @@ def optimization_barrier(tensors: list) -> None:
 
 
 _cache_initialized = False
+
+
+def trace_scope(name: str, like):
+    """A named scope for profiles: inside a jax-runtime graph (`like` a torchax tensor)
+    the ops traced in it carry `name` in their HLO metadata, so a device profile can tell
+    them apart (benchmarks/profile_step.py). Elsewhere nothing."""
+    from vllm_tpu_lora.torchax_compat import is_torchax_tensor
+
+    if is_torchax_tensor(like):
+        import jax
+
+        return jax.named_scope(name)
+    return contextlib.nullcontext()
 
 
 def enable_persistent_cache(path: str) -> bool:

@@ -232,6 +232,10 @@ class PunicaWrapper:
         Shapes: y [T, sum(O_i)], x [T, D], lora_a[i] [N, R, D], lora_b[i] [N, O_i, R];
         transposed (`weights_transposed`, the xla strategies below): lora_b[i] [N, R, O_i]
         and, off a TPU (`a_by_input`), lora_a[i] [N, D, R]."""
+        with platform.trace_scope("lora", x):
+            return self._add_lora_linear(y, x, lora_a, lora_b, output_slices)
+
+    def _add_lora_linear(self, y, x, lora_a, lora_b, output_slices) -> torch.Tensor:
         if not self.fuse_slices:
             offset = 0
             for a, b, size in zip(lora_a, lora_b, output_slices):
@@ -380,6 +384,10 @@ class PunicaWrapper:
         Shapes: y [T, H], ids [T], lora_a [N, V, R] (rows by token id), lora_b [N, H, R]
         ([N, R, H] where `weights_transposed`). Needs slot_vectors (each token's device
         slot in the step)."""
+        with platform.trace_scope("lora", y):
+            return self._add_lora_embedding(y, ids, lora_a, lora_b)
+
+    def _add_lora_embedding(self, y, ids, lora_a, lora_b) -> torch.Tensor:
         n, vocab, rank = lora_a.shape
         rows = self.step["token_slot"].to(torch.int64) * vocab + ids.to(torch.int64)
         xa = lora_a.reshape(n * vocab, rank).index_select(0, rows).to(y.dtype)
@@ -415,6 +423,11 @@ class PunicaWrapper:
         Shapes: logits [N, V], h [N, H], lora_a [L, R, H], lora_b [L, V, R], over all L
         slots: the logits graph is keyed by the request bucket alone, and this one-hot
         product costs N*L*R*(H+V), a fraction L*R/H of the lm_head matmul itself."""
+        with platform.trace_scope("lora", h):
+            return PunicaWrapper._add_lora_logits(logits, h, lora_a, lora_b, row_slot)
+
+    @staticmethod
+    def _add_lora_logits(logits, h, lora_a, lora_b, row_slot) -> torch.Tensor:
         num_slots, rank, hidden = lora_a.shape
         slots = torch.arange(num_slots, device=h.device, dtype=row_slot.dtype)
         onehot = (row_slot[:, None] == slots).to(h.dtype)  # [N, L]

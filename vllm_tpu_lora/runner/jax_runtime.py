@@ -279,6 +279,9 @@ class JaxGraphCapture:
                 for t, a in zip(swapped, saved):
                     t._elem = a
 
+        # Named per capture (the HLO module "jit_<fn>_<n>"): a device profile tells the
+        # graphs apart by it.
+        pure.__name__ = f"{getattr(fn, '__name__', 'graph')}_{self.captures}"
         weight_arrays = [w._elem for w in weights]
         # Traced and compiled ahead of time: the executable is called as it is, so a call
         # whose shapes differ fails instead of silently compiling another graph.
