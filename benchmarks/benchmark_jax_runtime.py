@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="the random model's dtype (--small: float32)")
     p.add_argument("--anchor-calls", type=int, default=30)
-    p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked", "gathered"],
+    p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked", "all", "gathered", "sliced"],
                    help="the anchor's LoRA variants per adapter count (none: base only)")
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
     args = apply_small(p.parse_args())

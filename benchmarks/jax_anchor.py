@@ -8,9 +8,12 @@ sampling beyond argmax: what a hand-written step of this model costs on this chi
 
 With `lora_adapters=n` every linear also adds its LoRA delta from the engine's own slot
 buffers, as plain JAX would write it: token t takes adapter t % n, each slice a one-hot
-product over n adapters' A and B. `lora_form` "stacked" reads the first n slots as they
-lie (no copy: what a step with every slot in use can do); "gathered" takes the n active
-slots by index first (a device array, as the engine's step does).
+product over its adapters' A and B. `lora_form` says how the n adapters are read:
+  - "stacked": the first n slots as they lie (no copy: a step with every slot in use);
+  - "all": every slot as it lies, the one-hot over all of them (n of them used);
+  - "gathered": the n slots taken by index (a device array, as the engine's step does),
+    `jnp.take` (XLA's gather);
+  - "sliced": the same n slots as n dynamic slices, concatenated.
 """
 
 from __future__ import annotations
@@ -36,13 +39,25 @@ def _lora_slices(module) -> list[tuple]:
     return list(zip(map(_array, module.lora_a), map(_array, module.lora_b)))
 
 
+def _read_adapters(w, n: int, active, form: str):
+    if form == "stacked":
+        return w[:n]
+    if form == "all":
+        return w
+    if form == "gathered":
+        return jnp.take(w, active, axis=0)
+    return jnp.concatenate([jax.lax.dynamic_index_in_dim(w, active[i], 0) for i in range(n)])
+
+
 def _lora_delta(h, slices, onehot, active, form: str, by_input: bool):
     """h [T, D] -> the concatenated slices' deltas [T, O], token t's own adapter selected by
     onehot [T, n] (the n adapters: the first n slots, or `active`'s)."""
     n, deltas = onehot.shape[1], []
+    if form == "all":  # over every slot: the ones past n selected by no token
+        onehot = jnp.pad(onehot, ((0, 0), (0, slices[0][0].shape[0] - n)))
     with jax.named_scope("lora"):  # as the engine's (profile_step.py tells them apart)
         for a, b in slices:
-            a, b = (a[:n], b[:n]) if form == "stacked" else (a[active], b[active])
+            a, b = _read_adapters(a, n, active, form), _read_adapters(b, n, active, form)
             xa = jnp.einsum("td,ndr->tnr" if by_input else "td,nrd->tnr", h, a)
             xa = xa * onehot[:, :, None].astype(xa.dtype)
             deltas.append(jnp.einsum("tnr,nro->to", xa, b))

@@ -20,7 +20,8 @@ MAX_LORAS, RANK, DIM, SLICES = 20, 8, 64, [64, 32, 32]
     ("single", 1, 16, DIM), ("onehot", 4, 16, DIM), ("gathered", 8, 32, DIM),
     ("gathered", 16, 64, DIM), ("gathered", 8, 32, 40),  # 40: not a multiple of the vector width
     ("grouped", 16, 64, DIM), ("grouped", 8, 256, DIM), ("slots", 8, 32, DIM),
-    ("slots", 16, 64, 40), ("onehot", 16, 64, 40)])
+    ("slots", 16, 64, 40), ("onehot", 16, 64, 40), ("stacked", 8, 32, DIM),
+    ("stacked", MAX_LORAS, 16, 40)])
 def test_strategy_matches_reference(strategy, num_slots, num_tokens, dim):
     rng = np.random.default_rng(num_slots * 100 + num_tokens)
     gen = torch.Generator().manual_seed(num_tokens)
@@ -56,12 +57,13 @@ def test_onehot_with_fewer_adapters_than_its_bucket():
                              torch.randn(48, sum(SLICES), generator=gen))
 
 
-@pytest.mark.parametrize("strategy,num_slots,num_tokens", [("single", 1, 16), ("onehot", 4, 48),
-                                                            ("onehot", 16, 64)])
+@pytest.mark.parametrize("strategy,num_slots,num_tokens", [
+    ("single", 1, 16), ("onehot", 4, 48), ("onehot", 16, 64), ("stacked", MAX_LORAS, 32)])
 def test_tpu_layout_strategies_match_reference(strategy, num_slots, num_tokens):
     """On a TPU the xla path holds A rank-first ([N, R, D]: a minor rank axis would be
-    padded to 128 lanes there) and runs only single and onehot, which read it so; the
-    strategies that read A by input refuse to be forced there."""
+    padded to 128 lanes there) and runs only single, onehot and stacked (a bucket of
+    every slot), which read it so; the strategies that read A by input refuse to be
+    forced there."""
     rng = np.random.default_rng(num_slots + num_tokens)
     gen = torch.Generator().manual_seed(num_slots)
     lora_a = [torch.randn(MAX_LORAS, RANK, DIM, generator=gen) for _ in SLICES]
@@ -69,7 +71,7 @@ def test_tpu_layout_strategies_match_reference(strategy, num_slots, num_tokens):
     active = sorted(rng.choice(MAX_LORAS, size=num_slots, replace=False).tolist())
     token_pos = rng.integers(-1, num_slots, size=num_tokens).astype(np.int32)
     punica = PunicaWrapper("xla", fuse_slices=True)
-    punica.max_loras, punica.on_tpu = MAX_LORAS, True
+    punica.max_loras, punica.on_tpu, punica.tpu_strategies = MAX_LORAS, True, True
     assert not punica.a_by_input
     assert punica.xla_strategy(num_tokens, num_slots) == strategy
     _check_against_reference(punica, token_pos, active, num_slots, lora_a, lora_b,
@@ -165,8 +167,9 @@ def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
 def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     """lora_backend="auto": the xla backend on and off a TPU, at any slot count and rank
     (on a TPU its onehot strategy beat every Pallas composition measured, the fused
-    grouped kernel at 128 slots included); there every graph with 2+ adapters runs
-    onehot ("single" for one); an explicit backend stands."""
+    grouped kernel at 128 slots included); there a graph with 2+ adapters runs onehot
+    over its adapters, or stacked where its bucket is every slot ("single" for one); an
+    explicit backend stands."""
     from vllm_tpu_lora.lora import punica as punica_mod
 
     for tpu in (False, True):
@@ -175,7 +178,9 @@ def test_tpu_backend_rule_and_onehot_table(monkeypatch):
         assert punica_mod.resolve_lora_backend("pallas") == "pallas"
     punica = PunicaWrapper("xla", fuse_slices=True)
     punica.max_loras = 16
-    assert punica.on_tpu
-    for t, s in ((16, 8), (64, 16), (256, 16), (512, 4), (16, 2)):
+    assert punica.on_tpu and punica.tpu_strategies and punica.slice_gathers
+    for t, s in ((16, 8), (64, 8), (256, 4), (512, 4), (16, 2)):
         assert punica.xla_strategy(t, s) == "onehot", (t, s)
+    for t in (16, 256, 1024):  # a bucket of every slot reads them as they lie
+        assert punica.xla_strategy(t, 16) == "stacked", t
     assert punica.xla_strategy(16, 1) == punica.xla_strategy(512, 1) == "single"

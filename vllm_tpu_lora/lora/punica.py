@@ -78,6 +78,10 @@ class PunicaWrapper:
         self.force_block: int | None = None
         self.max_loras = 0  # device slots: the slots strategy reads all of them
         self.on_tpu = platform.is_tpu()  # the xla strategy table differs there
+        # The TPU's strategy table, and its reads of a step's slots as dynamic slices
+        # (ops.take_slots: a TPU lowers a gather over the slot axis reading every slot).
+        # Tests set both on CPU, where the buffers keep their CPU layout.
+        self.tpu_strategies = self.slice_gathers = self.on_tpu
         self.num_active_slots = 0  # the slot bucket S of the graph being traced
         # Some layers hold per-slot vectors (LoRA bias, DoRA): every step then also carries
         # each token's device slot, whatever the strategy (see slot_rows).
@@ -142,7 +146,7 @@ class PunicaWrapper:
         block = self.token_block(dtype, token_pos.shape[0], num_slots)
         if strategy == "grouped":
             return step_layout.segment_layout(token_pos, active_slots, num_slots, block)
-        if strategy == "gathered":
+        if strategy in ("gathered", "stacked"):
             return step_layout.token_slot_layout(token_pos, active_slots)
         if strategy == "split":
             return step_layout.split_layout(token_pos, active_slots, num_slots)
@@ -169,11 +173,13 @@ class PunicaWrapper:
         if self.backend != "xla":
             return None
         if self.force_strategy is not None:
-            if not self.a_by_input and self.force_strategy not in ("single", "onehot"):
+            if not self.a_by_input and self.force_strategy not in ("single", "onehot",
+                                                                    "stacked"):
                 raise ValueError(f"strategy {self.force_strategy!r} reads A as [N, D, R], "
                                  "which a TPU does not hold")
             return self.force_strategy
-        return step_layout.xla_strategy(num_tokens, num_slots, self.max_loras, self.on_tpu)
+        return step_layout.xla_strategy(num_tokens, num_slots, self.max_loras,
+                                        self.tpu_strategies)
 
     def step_strategy(self, token_pos: np.ndarray, num_slots: int,
                       fallback: bool = False) -> str | None:
@@ -251,6 +257,8 @@ class PunicaWrapper:
             return self._single_slot_linear(y, x, lora_a, lora_b)
         if strategy == "onehot":
             return self._onehot_linear(y, x, lora_a, lora_b)
+        if strategy == "stacked":
+            return self._stacked_linear(y, x, lora_a, lora_b)
         if strategy == "gathered":
             return self._gathered_linear(y, x, lora_a, lora_b)
         if strategy == "split":
@@ -293,14 +301,14 @@ class PunicaWrapper:
     def _single_slot_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
         # One shrink for every slice: A [D, n*R], or [n*R, D] rank-first (a TPU).
         dim = 1 if self.a_by_input else 0
-        a = torch.cat([la.index_select(0, self.step["slot"])[0] for la in lora_a],
+        a = torch.cat([self._take(la, self.step["slot"])[0] for la in lora_a],
                       dim=dim).to(x.dtype)
         return self._single_expand(y, x @ a if self.a_by_input else x @ a.T, lora_b)
 
     def _single_expand(self, y, xa, lora_b) -> torch.Tensor:
         """xa [T, n*R] in token order -> y + concat_i(xa_i @ B_i[slot].T), masked."""
         slot, rank = self.step["slot"], lora_b[0].shape[1]
-        deltas = [xa[:, i * rank:(i + 1) * rank] @ lb.index_select(0, slot)[0].to(xa.dtype)
+        deltas = [xa[:, i * rank:(i + 1) * rank] @ self._take(lb, slot)[0].to(xa.dtype)
                   for i, lb in enumerate(lora_b)]
         return self._add_masked(y, torch.cat(deltas, dim=1))
 
@@ -316,10 +324,10 @@ class PunicaWrapper:
         so selecting by multiplication is exact."""
         active = self.step["active_slots"]
         if self.a_by_input:
-            a = torch.cat([la.index_select(0, active) for la in lora_a], dim=2)  # [S, D, n*R]
+            a = torch.cat([self._take(la, active) for la in lora_a], dim=2)  # [S, D, n*R]
             xa = torch.einsum("td,sdr->tsr", x, a.to(x.dtype))
         else:  # rank-first (a TPU): [S, n*R, D]
-            a = torch.cat([la.index_select(0, active) for la in lora_a], dim=1)
+            a = torch.cat([self._take(la, active) for la in lora_a], dim=1)
             xa = torch.einsum("td,srd->tsr", x, a.to(x.dtype))
         return self._onehot_expand(y, xa * self._onehot(x.dtype)[:, :, None], lora_b)
 
@@ -328,9 +336,37 @@ class PunicaWrapper:
         t, s, rank = xa.shape[0], xa.shape[1], lora_b[0].shape[1]
         deltas = []
         for i, lb in enumerate(lora_b):
-            b = lb.index_select(0, self.step["active_slots"]).to(xa.dtype)  # [S, R, O_i]
+            b = self._take(lb, self.step["active_slots"]).to(xa.dtype)  # [S, R, O_i]
             xi = xa[:, :, i * rank:(i + 1) * rank].reshape(t, s * rank)
             deltas.append(xi @ b.reshape(s * rank, b.shape[2]))
+        return y + torch.cat(deltas, dim=1).to(y.dtype)
+
+    def _take(self, buffers: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return ops.take_slots(buffers, slots, sliced=self.slice_gathers)
+
+    def _slot_onehot(self, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, N]: each token's device slot among all N (a zero row without adapter)."""
+        slots = torch.arange(num_slots, device=self.step["token_slot"].device,
+                             dtype=self.step["token_slot"].dtype)
+        hit = (self.step["token_slot"][:, None] == slots) & self.step["token_valid"][:, None]
+        return hit.to(dtype)
+
+    def _stacked_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
+        """Every token times every device slot's adapter as the buffers lie, the wanted
+        product selected by a [T, N] one-hot of its device slot: no gather and no copy of
+        any weight (each slice's own shrink: concatenating the slices' A would copy all N
+        slots), FLOPs N*T*R*(D+O). The TPU's graphs whose slot bucket is every slot run
+        it: a gather there read all N slots anyway, and the copies it feeds cost more
+        than the product (docs/benchmarks.md, the decode-step profile)."""
+        onehot = self._slot_onehot(lora_a[0].shape[0], x.dtype)
+        spec = "td,ndr->tnr" if self.a_by_input else "td,nrd->tnr"
+        xa = [torch.einsum(spec, x, la.to(x.dtype)) * onehot[:, :, None] for la in lora_a]
+        return self._stacked_expand(y, xa, lora_b)
+
+    def _stacked_expand(self, y, xa: list[torch.Tensor], lora_b) -> torch.Tensor:
+        """xa[i] [T, N, R], zero outside each token's own slot -> y + the slices' deltas
+        (lora_b[i] [N, R, O_i] as it lies)."""
+        deltas = [torch.einsum("tnr,nro->to", xi, lb.to(xi.dtype)) for xi, lb in zip(xa, lora_b)]
         return y + torch.cat(deltas, dim=1).to(y.dtype)
 
     def _gathered_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
@@ -408,6 +444,9 @@ class PunicaWrapper:
         if strategy == "onehot":
             return self._onehot_expand(y, xa[:, None, :] * self._onehot(xa.dtype)[:, :, None],
                                        [lora_b])
+        if strategy == "stacked":
+            return self._stacked_expand(
+                y, [xa[:, None, :] * self._slot_onehot(n, xa.dtype)[:, :, None]], [lora_b])
         if strategy in ("gathered", "split"):  # split: token_slot is there (slot_vectors)
             return self._gathered_expand(y, xa, [lora_b])
         ys = _to_segments(xa, self.step["perm"], self.step["row_valid"])

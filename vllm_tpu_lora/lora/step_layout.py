@@ -147,11 +147,14 @@ LIGHT_ROWS = 16  # rows of the split strategy's gathered part
 
 def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
                  on_tpu: bool = False) -> str:
-    """The xla backend's LoRA strategy for graph (T, S): on a TPU "onehot" (S = 1:
-    "single"); elsewhere "slots" where it applies (its steps that do not fit run
-    `fallback_strategy`), else the fallback itself."""
+    """The xla backend's LoRA strategy for graph (T, S): on a TPU "single" for S = 1,
+    "stacked" where S is every device slot, else "onehot"; elsewhere "slots" where it
+    applies (its steps that do not fit run `fallback_strategy`), else the fallback
+    itself."""
     if on_tpu:
-        return "single" if num_slots == 1 else "onehot"
+        if num_slots == 1:
+            return "single"
+        return "stacked" if 0 < max_loras <= num_slots else "onehot"
     if (num_slots >= 2 and 0 < max_loras < 2 * num_slots
             and SPLIT_FROM_TOKENS <= num_tokens <= SLOTS_MAX_TOKENS):
         return "slots"

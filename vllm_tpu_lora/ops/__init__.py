@@ -43,6 +43,7 @@ __all__ = [
     "resolve_backend",
     "segment_expand",
     "segment_shrink",
+    "take_slots",
 ]
 
 
@@ -55,6 +56,30 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown LoRA backend {backend!r}; expected 'auto', 'xla' or 'pallas'")
     return backend
+
+
+def take_slots(buffers: torch.Tensor, slots: torch.Tensor, sliced: bool = False) -> torch.Tensor:
+    """buffers [N, ...], slots int [S] (each in range) -> [S, ...]: row i = buffers[slots[i]].
+
+    sliced, inside a jax-runtime graph: S dynamic slices, concatenated. A TPU lowers a
+    gather over the slot axis (index_select, jnp.take) as a pass over all N slots: in a
+    v5e profile of a decode step, gathering 8 adapters' [16, 2048] rows took 0.6 us from 8
+    slots and 3.4 us from 32, ~the whole operand at HBM speed. Dynamic slices read the S
+    rows alone."""
+    from vllm_tpu_lora.torchax_compat import is_torchax_tensor
+
+    if sliced and is_torchax_tensor(buffers):
+        from torchax import interop
+
+        return interop.call_jax(_sliced_take, buffers, slots)
+    return buffers.index_select(0, slots)
+
+
+def _sliced_take(buffers, slots):
+    import jax
+
+    return jax.numpy.concatenate([jax.lax.dynamic_index_in_dim(buffers, slots[i], 0)
+                                  for i in range(slots.shape[0])])
 
 
 def _use_onehot(backend: str) -> bool:
