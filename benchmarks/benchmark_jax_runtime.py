@@ -16,7 +16,8 @@ model and N distinct adapters in turn. An `engine_run` row per (runtime, adapter
 then `lora_vs_base` per mode. Before them, right after warm-up, one `anchor` row: the
 same weights and batch in a hand-written jax.jit decode step (ragged paged attention over
 contexts like the engine's, KV donated): the median synced call, and pipelined calls
-(launched back to back, one wait).
+(launched back to back, one wait); then `anchor_lora` rows: that step with each adapter
+count's one-hot LoRA from the engine's slot buffers, plain JAX's cost of the same LoRA.
 
     python benchmarks/benchmark_jax_runtime.py --out docs/results/jax_runtime.jsonl  # TPU
     python benchmarks/benchmark_jax_runtime.py --small      # CPU smoke run
@@ -59,8 +60,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="the random model's dtype (--small: float32)")
     p.add_argument("--anchor-calls", type=int, default=30)
-    p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked", "all", "gathered", "sliced"],
-                   help="the anchor's LoRA variants per adapter count (none: base only)")
+    # Each variant is a compile of its own (~30 s on the v5e): one by default.
+    p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked"],
+                   choices=["stacked", "all", "gathered", "sliced"],
+                   help="the anchor's LoRA variants per adapter count (jax_anchor.py; "
+                   "none: base only)")
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
     args = apply_small(p.parse_args())
     if args.small:

@@ -45,7 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lora-backend", default="auto")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
     p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked", "gathered"])
+    p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked", "gathered"],
+                   choices=["stacked", "all", "gathered", "sliced"])
     p.add_argument("--out-dir", required=True)
     args = apply_small(p.parse_args())
     if args.small:

@@ -98,23 +98,33 @@ def compositions(pk, jnp, block, interpret, precision="default"):
             offset += b.shape[1]
         return y
 
+    def take(w, slots):
+        """ops.take_slots on a TPU: the slots read as dynamic slices (a gather over the
+        slot axis reads every slot there)."""
+        import jax
+
+        return jnp.concatenate([jax.lax.dynamic_index_in_dim(w, slots[i], 0)
+                                for i in range(slots.shape[0])])
+
     def single(x, y, lay, a_s, bt_s):
         """S = 1 on a TPU (PunicaWrapper._single_slot_linear): the step's one adapter's
         A of every slice concatenated (rank-first, as a TPU holds it), one shrink, an
         expand per slice, masked."""
         slot = lay["active_slots"][:1]
-        a = jnp.concatenate([a[slot][0] for a in a_s], axis=0)  # [n*R, D]
+        a = jnp.concatenate([take(a, slot)[0] for a in a_s], axis=0)  # [n*R, D]
         xa, rank = x @ a.T, a_s[0].shape[1]
-        deltas = [xa[:, i * rank:(i + 1) * rank] @ bt[slot][0] for i, bt in enumerate(bt_s)]
+        deltas = [xa[:, i * rank:(i + 1) * rank] @ take(bt, slot)[0]
+                  for i, bt in enumerate(bt_s)]
         delta = jnp.concatenate(deltas, axis=1)
         return y + jnp.where(lay["token_valid"][:, None], delta, 0).astype(y.dtype)
 
     def onehot(x, y, lay, a_s, bt_s, by_input=False):
         """The xla backend's "onehot" strategy (PunicaWrapper._onehot_linear): the step's
-        S active slots' weights copied out (index_select), every token times all S, a
-        [T, S] one-hot keeping its own. A rank-first [N, R, D] as a TPU engine holds it;
-        by_input: [N, D, R], the CPU's layout (the engines before 2026-12-07 on a TPU too),
-        whose minor rank axis a TPU pads to 128 lanes."""
+        S active slots' weights copied out (dynamic slices, as the engine reads them on a
+        TPU since 2026-12-07), every token times all S, a [T, S] one-hot keeping its own.
+        A rank-first [N, R, D] as a TPU engine holds it; by_input: [N, D, R], the CPU's
+        layout (the engines before 2026-12-07 on a TPU too), whose minor rank axis a TPU
+        pads to 128 lanes, read by a gather (jnp.take) as the engine read it then."""
         active = lay["active_slots"]
         rank = a_s[0].shape[2 if by_input else 1]
         hit = lay["token_lora_idx"][:, None] == jnp.arange(active.shape[0])[None, :]
@@ -122,11 +132,22 @@ def compositions(pk, jnp, block, interpret, precision="default"):
             a = jnp.concatenate([at[active] for at in a_s], axis=2)  # [S, D, n*R]
             xa = jnp.einsum("td,sdr->tsr", x, a)
         else:
-            a = jnp.concatenate([a[active] for a in a_s], axis=1)  # [S, n*R, D]
+            a = jnp.concatenate([take(a, active) for a in a_s], axis=1)  # [S, n*R, D]
             xa = jnp.einsum("td,srd->tsr", x, a)
         xa = xa * hit[:, :, None].astype(x.dtype)
         deltas = [xa[:, :, i * rank:(i + 1) * rank].reshape(x.shape[0], -1)
-                  @ bt[active].reshape(-1, bt.shape[2]) for i, bt in enumerate(bt_s)]
+                  @ (bt[active] if by_input else take(bt, active)).reshape(-1, bt.shape[2])
+                  for i, bt in enumerate(bt_s)]
+        return y + jnp.concatenate(deltas, axis=1).astype(y.dtype)
+
+    def stacked(x, y, lay, a_s, bt_s):
+        """PunicaWrapper._stacked_linear, a TPU graph whose bucket is every slot: each
+        token's device slot one-hot over all N, the buffers as they lie (no copy), one
+        shrink per slice."""
+        hit = lay["token_slot"][:, None] == jnp.arange(a_s[0].shape[0])[None, :]
+        deltas = [jnp.einsum("tnr,nro->to",
+                             jnp.einsum("td,nrd->tnr", x, a) * hit[:, :, None].astype(x.dtype),
+                             bt) for a, bt in zip(a_s, bt_s)]
         return y + jnp.concatenate(deltas, axis=1).astype(y.dtype)
 
     grouped_lora = load_torch_free("ops.grouped_lora").grouped_lora
@@ -138,7 +159,7 @@ def compositions(pk, jnp, block, interpret, precision="default"):
                              interpret=interpret, precision=precision)
         return y + delta.astype(y.dtype)
 
-    return {"per_slice": per_slice, "single": single, "onehot": onehot,
+    return {"per_slice": per_slice, "single": single, "onehot": onehot, "stacked": stacked,
             "onehot_by_input": functools.partial(onehot, by_input=True), "grouped": grouped}
 
 
@@ -232,7 +253,7 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
     xla = load_torch_free("lora.step_layout").xla_strategy(t, active, n, on_tpu=True)
     row = dict(part="layer", T=t, N=n, active=active, R=r, dtype=dtype, block=block,
                xla_strategy=xla)
-    paths = tuple(p for p in ("per_slice", "onehot", "onehot_by_input", "grouped")
+    paths = tuple(p for p in ("per_slice", "onehot", "stacked", "onehot_by_input", "grouped")
                   if p in wanted) + (
         ("single",) if active == 1 and "single" in wanted else ())
     totals = dict.fromkeys(("base", "roofline") + paths, 0.0)
@@ -296,7 +317,8 @@ def main(argv=None):
     p.add_argument("--parts", default="check,bench")
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
     p.add_argument("--paths", nargs="+",
-                   default=["per_slice", "onehot", "onehot_by_input", "grouped", "single"],
+                   default=["per_slice", "onehot", "stacked", "onehot_by_input", "grouped",
+                            "single"],
                    help="the LoRA compositions to bench (the base matmuls always)")
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (no TPU)")
     p.add_argument("--quick", action="store_true", help="tiny shapes only (a smoke run)")
