@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent TPU v5e (docs/tpu.md): install from the machine's own wheel folders
-# (if this machine has not yet), then each step named: tests | bench | profile | layer | sec.
+# (if this machine has not yet), then each step named: tests | bench | profile | churn | layer | sec.
 #   bash benchmarks/lent_tpu.sh tests            # tests/test_tpu.py -> $OUT/tpu_tests.log
 #   BENCH_ARGS="--num-adapters 8 32" bash benchmarks/lent_tpu.sh bench
 #   LAYER_ARGS="--tokens 32 --slots 8 32" bash benchmarks/lent_tpu.sh layer
@@ -30,6 +30,12 @@ for what in "$@"; do
     # Perfetto traces, the profiled graphs' HLO and profile.jsonl (xplane files dropped).
     profile) timeout ${PROFILE_S:-420} python3 -u benchmarks/profile_step.py --out-dir $OUT/profile ${PROFILE_ARGS:-} > $OUT/profile.log 2>&1; echo "profile rc $?"
              find $OUT/profile -name '*.xplane.pb' -delete; tail -c 1500 $OUT/profile.log ;;
+    # Issue 41's churn workload (1,000 requests, each its own adapter read from disk during
+    # the run, 8 new tokens) with the chip's host cores beside the loader thread.
+    churn) timeout ${CHURN_S:-300} python3 -u benchmarks/benchmark_lora.py --many-adapters --runtime jax \
+             --rounds ${CHURN_ROUNDS:-3} --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 \
+             --prompt-len 8 24 --output-len 8 8 --max-num-seqs 16 --max-loras 16 ${CHURN_ARGS:-} \
+             > $OUT/churn.log 2>&1; echo "churn rc $?"; grep '"name"' $OUT/churn.log | cut -c1-400 ;;
     layer) timeout ${LAYER_S:-300} python3 -u benchmarks/tpu_lora_layer.py --out $OUT/lora_layer.jsonl ${LAYER_ARGS:-} > $OUT/layer.log 2>&1; echo "layer rc $?"; tail -c 3000 $OUT/layer.log ;;
   esac
 done

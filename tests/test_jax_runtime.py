@@ -33,6 +33,7 @@ from .test_lora_e2e import (
     ADAPTER_SPECS,
     GREEDY,
     MAX_NEW,
+    _assert_batched_slot_writes,
     _assert_matches_peft,
     _make_adapters,
     _mixed_workload,
@@ -131,7 +132,8 @@ def test_tpu_strategies_and_sliced_reads_match_peft(llama_dir, adapters):
     """The TPU's LoRA graphs on this runtime, on CPU: its strategy table ("single" for one
     adapter, "onehot" over the step's adapters, "stacked" over every slot where the
     bucket is all of them) and its reads of the step's slots as dynamic slices
-    (ops.take_slots), against PEFT, through fewer slots than adapters."""
+    (ops.take_slots), against PEFT, through fewer slots than adapters; then a padded
+    batch of slot writes (ops.put_slots) read back."""
     llm = LLM(llama_dir, runtime="jax", lora_backend="xla", precompile=False,
               **{**LORA_ENGINE, "max_loras": 4})
     engine = llm.llm_engine
@@ -143,6 +145,7 @@ def test_tpu_strategies_and_sliced_reads_match_peft(llama_dir, adapters):
         _assert_matches_peft(llm, llama_dir, adapters, prompts, picks)
     kinds = {key.split("/")[-1] for key, n in engine.stats()["forward_graph_steps"].items() if n}
     assert {"single", "onehot", "stacked"} <= kinds, kinds
+    _assert_batched_slot_writes(llm)  # this runtime's writes: a dynamic update per slot
 
 
 # ---- 3. seeded sampling: jax == torch_xla -------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_tpu_lora import platform
+from vllm_tpu_lora import ops, platform
 from vllm_tpu_lora.lora.copy_plan import CopyPlan, build_plan, rank_rows
 from vllm_tpu_lora.lora.layers import LoRALinear
 from vllm_tpu_lora.lora.peft_loader import (
@@ -441,12 +441,15 @@ class LoRAManager:
             batch, loads = loads[:k], loads[k:]
             batch += batch[-1:] * (k - len(batch))
             slots = np.array([slot for slot, _ in batch], np.int64)
-            flats = (batch[0][1].flat[None] if k == 1
-                     else torch.stack([host.flat for _, host in batch]))
+            # Each image moves as it lies: stacking them into one host array first cost
+            # more than the transfers (a fresh multi-MB allocation per write), and on the
+            # jax runtime's CPU device a host tensor's transfer is a zero-copy alias.
+            # (A repeat moves again: a graph's tensor arguments must be distinct tensors.)
+            flats = [rt.to_device(host.flat) for _, host in batch]
             # The captured write updates the buffers in place (both captures donate the
             # state a graph updates), instead of XLA copying every buffer whole
             # (max_loras adapters' worth) to change a few slots.
-            self._write_graph(self._buffer_state, rt.to_device(flats), rt.to_device(slots))
+            self._write_graph(self._buffer_state, flats, rt.to_device(slots))
             rt.launched(self._captured_writes)  # traced lazily (enforce_eager): run it now
 
     def warmup_adapter(self) -> HostAdapter:
@@ -489,14 +492,14 @@ def _vocab_base_rows(model: torch.nn.Module, n: int = 16) -> dict[str, tuple]:
             for name, w in (("model.embed_tokens", embed), ("lm_head", head))}
 
 
-def _write_slot_images(buffers: FixedTensors, flats: torch.Tensor, slots: torch.Tensor,
+def _write_slot_images(buffers: FixedTensors, flats: list[torch.Tensor], slots: torch.Tensor,
                        shapes: list[tuple]) -> list:
-    """The slot-write graph: row i of `flats` [k, numel] into slot slots[i] of every buffer
+    """The slot-write graph: image flats[i] [numel] into slot slots[i] of every buffer
     (in place)."""
     offset = 0
     for buf, shape in zip(buffers.value, shapes):
         n = math.prod(shape)
-        buf.index_copy_(0, slots, flats[:, offset:offset + n].reshape(-1, *shape))
+        ops.put_slots(buf, slots, [flat[offset:offset + n].view(shape) for flat in flats])
         offset += n
     return []
 

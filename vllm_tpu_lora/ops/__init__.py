@@ -42,6 +42,7 @@ __all__ = [
     "padded_num_tokens",
     "resolve_backend",
     "segment_expand",
+    "put_slots",
     "segment_shrink",
     "take_slots",
 ]
@@ -73,6 +74,29 @@ def take_slots(buffers: torch.Tensor, slots: torch.Tensor, sliced: bool = False)
 
         return interop.call_jax(_sliced_take, buffers, slots)
     return buffers.index_select(0, slots)
+
+
+def put_slots(buffers: torch.Tensor, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+    """buffers[slots[i]] = rows[i], in place (buffers [N, ...], rows[i] shaped like a slot).
+
+    Inside a jax-runtime graph: one dynamic-update-slice per row, not a scatter. XLA's CPU
+    backend runs a scatter as a loop over its elements."""
+    from vllm_tpu_lora.torchax_compat import is_torchax_tensor
+
+    if is_torchax_tensor(buffers):
+        from torchax import interop
+
+        buffers.copy_(interop.call_jax(_sliced_put, buffers, slots, *rows))
+        return
+    buffers.index_copy_(0, slots, torch.stack(rows))
+
+
+def _sliced_put(buffers, slots, *rows):
+    import jax
+
+    for i, row in enumerate(rows):
+        buffers = jax.lax.dynamic_update_index_in_dim(buffers, row, slots[i], 0)
+    return buffers
 
 
 def _sliced_take(buffers, slots):
