@@ -238,7 +238,7 @@ def anchor_rows(llm, work, args) -> list[dict]:
     from jax_anchor import build_anchor
 
     b = args.max_num_seqs
-    ctx = [len(p) + o // 2 for p, o in work[:b]]
+    ctx = anchor_contexts(work, b)
     block = engine.config.cache_config.block_size
     base = time_anchor(*build_anchor(engine.runner.model, ctx, block), args.anchor_calls)
     rows = [{"row": "anchor", **base, "batch": b, "mean_context": float(np.mean(ctx)),
@@ -251,6 +251,12 @@ def anchor_rows(llm, work, args) -> list[dict]:
                          "vs_base": base["ms"] / t["ms"],
                          "vs_base_pipelined": base["pipelined_ms"] / t["pipelined_ms"]})
     return rows
+
+
+def anchor_contexts(work, batch: int) -> list[int]:
+    """The anchor's contexts: the first decode wave's requests halfway through their
+    outputs."""
+    return [len(p) + o // 2 for p, o in work[:batch]]
 
 
 def time_anchor(step, state, inputs, calls: int) -> dict:

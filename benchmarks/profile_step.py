@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_jax_runtime import LLAMA_1B, emit, make_model  # noqa: E402
+from benchmark_jax_runtime import LLAMA_1B, anchor_contexts, emit, make_model  # noqa: E402
 from benchmark_throughput import add_model_args, apply_small, make_workload  # noqa: E402
 from many_adapters import make_many_adapters  # noqa: E402
 
@@ -137,8 +137,9 @@ def _kind(op: str) -> str:
     return re.sub(r"[.\d]+$", "", op.split(".")[0]) or op
 
 
-def module_rows(label: str, log_dir: str, hlo: dict[str, dict[str, bool]]) -> list[dict]:
-    runs, by_module = device_ops(perfetto_events(log_dir))
+def module_rows(label: str, runs: dict, by_module: dict,
+                hlo: dict[str, dict[str, bool]]) -> list[dict]:
+    """Per module of a trace (device_ops' two maps) its row; hlo: hlo_scopes per module."""
     if not runs:
         return [{"row": "module", "label": label, "device_events": 0,
                  "why": "no device op events in this platform's trace"}]
@@ -168,11 +169,13 @@ def module_rows(label: str, log_dir: str, hlo: dict[str, dict[str, bool]]) -> li
 
 
 def save_hlo(texts: list[str], out_dir: str, wanted: set[str]) -> dict[str, dict[str, bool]]:
+    """The wanted modules' HLO under out_dir, and their hlo_scopes (all when none wanted:
+    a trace without device events)."""
     scopes = {}
     for text in texts:
-        module, lora = hlo_scopes(text)
+        module = re.search(r"HloModule\s+([\w.\-]+)", text).group(1)
         if module in wanted or not wanted:
-            scopes[module] = lora
+            scopes[module] = hlo_scopes(text)[1]
             with gzip.open(os.path.join(out_dir, f"{module}.hlo.txt.gz"), "wt") as f:
                 f.write(text)
     return scopes
@@ -241,13 +244,13 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
         compiled_s = time.perf_counter() - t0
         trace_dir = os.path.join(args.out_dir, label)
         traced = decode_window(llm, batch, loras, args.steps, trace_dir)
-        runs, _ = device_ops(perfetto_events(trace_dir))  # the HLO of the graphs it ran
+        runs, by_module = device_ops(perfetto_events(trace_dir))
         scopes = save_hlo([c.as_text() for c in engine.runner.capture.executables],
-                          args.out_dir, set(runs))
+                          args.out_dir, set(runs))  # the HLO of the graphs it ran
         emit({"row": "window", "label": label, "decode_steps": traced,
               "first_pass_s": compiled_s,
               "forward_graph_steps": dict(engine.runner.forward_graph_steps)}, args.out)
-        for row in module_rows(label, trace_dir, scopes):
+        for row in module_rows(label, runs, by_module, scopes):
             emit(row, args.out)
     if anchor:
         profile_anchor(llm, batch, args)
@@ -258,8 +261,7 @@ def profile_anchor(llm, work, args) -> None:
     from jax_anchor import build_anchor
 
     engine = llm.llm_engine
-    b = args.max_num_seqs
-    ctx = [len(p) + o // 2 for p, o in work[:b]]
+    ctx = anchor_contexts(work, args.max_num_seqs)
     block = engine.config.cache_config.block_size
     for n, form in [(0, "stacked")] + [(args.adapters, f) for f in args.anchor_lora_forms]:
         step, state, inputs = build_anchor(engine.runner.model, ctx, block, n, form)
@@ -272,9 +274,9 @@ def profile_anchor(llm, work, args) -> None:
             for _ in range(args.steps):
                 state = step(state, *inputs)[1]
             jax.block_until_ready(state)
-        runs, _ = device_ops(perfetto_events(trace_dir))
+        runs, by_module = device_ops(perfetto_events(trace_dir))
         scopes = save_hlo([step.hlo_text()], args.out_dir, set(runs))
-        for row in module_rows(label, trace_dir, scopes):
+        for row in module_rows(label, runs, by_module, scopes):
             emit(row, args.out)
         del step, state
 

@@ -138,7 +138,7 @@ def test_tpu_strategies_and_sliced_reads_match_peft(llama_dir, adapters):
               **{**LORA_ENGINE, "max_loras": 4})
     engine = llm.llm_engine
     punica = engine.runner.punica
-    punica.tpu_strategies = punica.slice_gathers = True
+    punica.tpu_strategies = True
     engine.runner.precompile()
     prompts, picks = _mixed_workload(adapters, n_prompts=12, seed=5)
     with no_jax_compiles():

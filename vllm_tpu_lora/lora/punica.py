@@ -78,10 +78,10 @@ class PunicaWrapper:
         self.force_block: int | None = None
         self.max_loras = 0  # device slots: the slots strategy reads all of them
         self.on_tpu = platform.is_tpu()  # the xla strategy table differs there
-        # The TPU's strategy table, and its reads of a step's slots as dynamic slices
+        # The TPU's strategy table, with its reads of a step's slots as dynamic slices
         # (ops.take_slots: a TPU lowers a gather over the slot axis reading every slot).
-        # Tests set both on CPU, where the buffers keep their CPU layout.
-        self.tpu_strategies = self.slice_gathers = self.on_tpu
+        # Tests set it on CPU, where the buffers keep their CPU layout.
+        self.tpu_strategies = self.on_tpu
         self.num_active_slots = 0  # the slot bucket S of the graph being traced
         # Some layers hold per-slot vectors (LoRA bias, DoRA): every step then also carries
         # each token's device slot, whatever the strategy (see slot_rows).
@@ -342,7 +342,7 @@ class PunicaWrapper:
         return y + torch.cat(deltas, dim=1).to(y.dtype)
 
     def _take(self, buffers: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return ops.take_slots(buffers, slots, sliced=self.slice_gathers)
+        return ops.take_slots(buffers, slots, sliced=self.tpu_strategies)
 
     def _slot_onehot(self, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, N]: each token's device slot among all N (a zero row without adapter)."""

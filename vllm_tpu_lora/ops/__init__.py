@@ -40,9 +40,9 @@ __all__ = [
     "lora_layer_kernel_shapes",
     "make_segment_layout",
     "padded_num_tokens",
+    "put_slots",
     "resolve_backend",
     "segment_expand",
-    "put_slots",
     "segment_shrink",
     "take_slots",
 ]
