@@ -3,9 +3,11 @@ the Pallas path (lora_backend="pallas": per slice of a packed layer a gather int
 segment order, the shrink and expand kernels, a scatter back) and the xla backend's
 strategies on a TPU ("onehot": the step's S active slots' weights copied out, one
 shrink over the slices' concatenated A, a [T, S] one-hot; "single": one adapter), next
-to the base matmuls of the same linears, and the fused grouped kernel
+to the base matmuls of the same linears, the fused grouped kernel
 (ops/grouped_lora.py: tokens sorted by slot, slots grouped so their ranks fill 128 lanes,
-shrink and expand in one kernel). `--active` also measures steps that use fewer
+shrink and expand in one kernel) and the indexed kernel (ops/indexed_lora.py: each used
+adapter read at its slot by the kernel's DMA, shrink and expand fused, for decode-sized
+steps). `--active` also measures steps that use fewer
 adapters than the N slots. (Runs 4-6 in docs/results/tpu_lora_layer.jsonl also carry
 "dense", a one-hot over all N slots per slice without the weight copy, which lost to
 onehot at every point and left the engine.)
@@ -23,7 +25,8 @@ linears-only ratio: attention and norms, which LoRA leaves alone, bring a model'
 ratio closer to 1), each path's delta also against its roofline (part "roofline": the
 chip's measured bf16 matmul rate and HBM bandwidth; a delta's roofline is its useful
 FLOPs, 2*T*R*(D+O), or its bytes, the active adapters' A and B read once plus x read and
-the delta written, whichever takes longer).
+the delta written, whichever takes longer). `--profile-dir`: part "layer_profile" rows,
+each path's device time per op (a jax.profiler trace of one dispatch per linear).
 """
 
 from __future__ import annotations
@@ -159,8 +162,18 @@ def compositions(pk, jnp, block, interpret, precision="default"):
                              interpret=interpret, precision=precision)
         return y + delta.astype(y.dtype)
 
+    indexed_lora = load_torch_free("ops.indexed_lora").indexed_lora
+
+    def indexed(x, y, lay, a_s, bt_s):
+        """ops/indexed_lora.py: onehot's step arrays, each used adapter's A and B
+        (rank-first) read at its slot by the kernel's own DMA, no copy."""
+        delta = indexed_lora(x, list(zip(a_s, bt_s)), lay["token_lora_idx"],
+                             lay["active_slots"], interpret=interpret, precision=precision)
+        return y + delta.astype(y.dtype)
+
     return {"per_slice": per_slice, "single": single, "onehot": onehot, "stacked": stacked,
-            "onehot_by_input": functools.partial(onehot, by_input=True), "grouped": grouped}
+            "onehot_by_input": functools.partial(onehot, by_input=True), "grouped": grouped,
+            "indexed": indexed}
 
 
 def make_adapters(jnp, rng, n, d, sizes, r, jt, nan_slot=None):
@@ -202,7 +215,7 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
     precision = "highest" if dtype == "float32" else "default"
     comps = compositions(pk, jnp, block, interpret, precision)
     per_slice = comps.pop("per_slice")
-    grouped = comps.pop("grouped")
+    kernels = {k: comps.pop(k) for k in ("grouped", "indexed")}
     xla_paths = {k: fn for k, fn in comps.items() if k != "single" or len(used) == 1}
     nan_slot = 1 if n > 1 else None  # unused by every token: NaN there must not leak
     for name, d, sizes in linears:
@@ -213,9 +226,10 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
                                        np.float64)}
         at_s, bt_s = transposed(jnp, a_s, b_s, nan_slot)
         # The grouped kernel reads A as given (NaN in the unused slot: dropped by its
-        # select) and B rank-first with that slot zeroed (the engine's free slots).
-        got["grouped"] = np.asarray(grouped(x, y, lay, a_s, bt_s).astype(jnp.float32),
-                                    np.float64)
+        # select) and B rank-first with that slot zeroed (the engine's free slots); the
+        # indexed kernel never reads the unused slot.
+        for what, fn in kernels.items():
+            got[what] = np.asarray(fn(x, y, lay, a_s, bt_s).astype(jnp.float32), np.float64)
         with jax_precision(precision):
             a_zeroed = [jnp.swapaxes(at, 1, 2) for at in at_s]  # rank-first, NaN slot zeroed
             for what, fn in xla_paths.items():
@@ -241,7 +255,7 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
 
 
 def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, interpret,
-                chip, wanted=("per_slice", "onehot", "grouped", "single")):
+                chip, wanted=("per_slice", "onehot", "grouped", "single"), profile_dir=None):
     """N device slots, `active` of them used by this step's tokens (what the Pallas
     path's layout and onehot's graph bucket are sized by)."""
     rng = np.random.default_rng(0)
@@ -253,10 +267,12 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
     xla = load_torch_free("lora.step_layout").xla_strategy(t, active, n, on_tpu=True)
     row = dict(part="layer", T=t, N=n, active=active, R=r, dtype=dtype, block=block,
                xla_strategy=xla)
-    paths = tuple(p for p in ("per_slice", "onehot", "stacked", "onehot_by_input", "grouped")
+    paths = tuple(p for p in ("per_slice", "onehot", "stacked", "onehot_by_input", "grouped",
+                              "indexed")
                   if p in wanted) + (
         ("single",) if active == 1 and "single" in wanted else ())
     totals = dict.fromkeys(("base", "roofline") + paths, 0.0)
+    profiles: dict[str, dict[str, float]] = {}
     for name, d, sizes in linears:
         a_s, b_s = make_adapters(jnp, rng, n, d, sizes, r, jt)
         at_s, bt_s = transposed(jnp, a_s, b_s)
@@ -278,16 +294,47 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
             ms = _device_ms(jax, fn, xs, rest, reps)
             row[f"{name}_{what}_ms"] = round(ms, 4)
             totals[what] += ms
+            if profile_dir:
+                for op, us in _profile_ops(jax, fn, xs, rest, profile_dir).items():
+                    profiles.setdefault(what, {}).setdefault(op, 0.0)
+                    profiles[what][op] += us
     for what, ms in totals.items():
         row[f"layer_{what}_ms"] = round(ms, 4)
     for what in paths:
         row[f"ratio_{what}"] = round(totals["base"] / (totals["base"] + totals[what]), 3)
         row[f"{what}_vs_roofline"] = round(totals[what] / totals["roofline"], 2)
-    if "grouped" in totals and "onehot" in totals:
-        row["grouped_vs_onehot"] = round(totals["grouped"] / totals["onehot"], 3)
+    for what in ("grouped", "indexed", "stacked"):
+        if what in totals and "onehot" in totals:
+            row[f"{what}_vs_onehot"] = round(totals[what] / totals["onehot"], 3)
     if "onehot_by_input" in totals and "onehot" in totals:
         row["onehot_vs_by_input"] = round(totals["onehot"] / totals["onehot_by_input"], 3)
     emit(row)
+    for what, ops in profiles.items():
+        top = sorted(ops.items(), key=lambda kv: -kv[1])[:8]
+        emit(dict(part="layer_profile", T=t, N=n, active=active, R=r, path=what,
+                  device_us=round(sum(ops.values()), 1), ops_us={k: round(v, 1) for k, v in top}))
+
+
+def _profile_ops(jax, fn, xs, rest, trace_dir) -> dict[str, float]:
+    """Device microseconds per call of fn by op (summed over the ops of one name), from a
+    jax.profiler trace of one dispatch of the same lax.map loop _device_ms times."""
+    import os
+    import tempfile
+
+    from profile_step import device_ops, perfetto_events
+
+    many = jax.jit(lambda st, *w: jax.lax.map(lambda x: fn(x, *w), st))
+    jax.block_until_ready(many(xs, *rest))
+    os.makedirs(trace_dir, exist_ok=True)
+    log_dir = tempfile.mkdtemp(dir=trace_dir)
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        jax.block_until_ready(many(xs, *rest))
+    _, by_module = device_ops(perfetto_events(log_dir))
+    ops: dict[str, float] = {}
+    for entries in by_module.values():
+        for op, dur, _ in entries:
+            ops[op] = ops.get(op, 0.0) + dur / xs.shape[0]
+    return ops
 
 
 def roofline_ms(chip, t, d, o, r, active, itemsize) -> float:
@@ -318,7 +365,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
     p.add_argument("--paths", nargs="+",
                    default=["per_slice", "onehot", "stacked", "onehot_by_input", "grouped",
-                            "single"],
+                            "indexed", "single"],
                    help="the LoRA compositions to bench (the base matmuls always)")
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (no TPU)")
     p.add_argument("--quick", action="store_true", help="tiny shapes only (a smoke run)")
@@ -331,6 +378,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--k", type=int, default=32, help="most inputs per dispatch")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--profile-dir", default=None,
+                   help="also trace each path once per linear and emit its device time by op")
     args = p.parse_args(argv)
     _OUT[:] = [args.out] if args.out else []
     import jax
@@ -356,7 +405,7 @@ def main(argv=None):
             for a in sorted({n, *(a for a in args.active if a < n)}, reverse=True)]
         for t, n, a, r in grid:
             layer_bench(pk, bs, jax, jnp, linears, t, n, a, r, args.dtype, args.k, args.reps,
-                        args.interpret, chip, args.paths)
+                        args.interpret, chip, args.paths, args.profile_dir)
 
 
 if __name__ == "__main__":

@@ -91,10 +91,11 @@ def test_tpu_lora_layer_script_runs_without_torch():
     assert all(r["ok"] for r in checks), checks
     layers = {r["active"]: r for r in rows if r["part"] == "layer"}
     assert sorted(layers) == [1, 2], layers  # a step using both slots, then one of them
-    # The fused grouped kernel too, and the TPU's one-hot over every slot as they lie.
-    assert all("grouped_rel_err" in r and "stacked_rel_err" in r for r in checks)
+    # The fused grouped and indexed kernels too, and the TPU's one-hot over every slot as
+    # they lie.
+    assert all(f"{k}_rel_err" in r for r in checks for k in ("grouped", "indexed", "stacked"))
     for active, layer in layers.items():
-        paths = ["per_slice", "onehot", "stacked", "grouped"] + (["single"] if active == 1
+        paths = ["per_slice", "onehot", "stacked", "grouped", "indexed"] + (["single"] if active == 1
                                                                  else [])
         assert all(layer[f"layer_{what}_ms"] > 0 for what in ["base", "roofline", *paths]), layer
         assert all(0 < layer[f"ratio_{what}"] < 1 for what in paths), layer

@@ -127,6 +127,41 @@ def test_grouped_kernel_on_mosaic_matches_float64(t, s, r, d, o, dtype):
     assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < tol
 
 
+@pytest.mark.parametrize("t,n,p,r,d,outs,dtype", [
+    (16, 8, 4, 16, 256, (384,), "float32"), (32, 128, 32, 16, 4096, (4096, 1024, 1024), "bfloat16"),
+    (200, 64, 16, 64, 14336, (4096,), "bfloat16")])
+def test_indexed_kernel_on_mosaic_matches_float64(t, n, p, r, d, outs, dtype):
+    """The indexed kernel (ops/indexed_lora.py) compiled by Mosaic, at Llama-3-8B widths
+    over 128 slots, against float64 numpy; slots no token uses hold NaN (never read)."""
+    import jax.numpy as jnp
+
+    from vllm_tpu_lora.ops.indexed_lora import indexed_lora
+
+    rng = np.random.default_rng(t + n)
+    active = rng.choice(n, size=p, replace=False).astype(np.int32)
+    pos = np.where(rng.random(t) < 0.1, -1, rng.integers(0, p, size=t)).astype(np.int32)
+    x = rng.standard_normal((t, d))
+    ws = [(rng.standard_normal((n, r, d)) / np.sqrt(d), rng.standard_normal((n, r, o)) / np.sqrt(r))
+          for o in outs]
+    unused = sorted(set(range(n)) - set(active[pos[pos >= 0]].tolist()))
+    for a, b in ws:
+        a[unused], b[unused] = np.nan, np.nan
+    jx = jnp.asarray(x, dtype)
+    jws = [(jnp.asarray(a, dtype), jnp.asarray(b, dtype)) for a, b in ws]
+    precision = "highest" if dtype == "float32" else "default"
+    got = np.asarray(indexed_lora(jx, jws, jnp.asarray(pos), jnp.asarray(active),
+                                  precision=precision).astype(jnp.float32), np.float64)
+    x64 = np.asarray(jx.astype(jnp.float32), np.float64)
+    w64 = [tuple(np.asarray(v.astype(jnp.float32), np.float64) for v in w) for w in jws]
+    ref = np.zeros_like(got)
+    for i in np.flatnonzero(pos >= 0):
+        s = active[pos[i]]
+        ref[i] = np.concatenate([x64[i] @ a[s].T @ b[s] for a, b in w64])
+    assert np.isfinite(got).all() and np.all(got[pos < 0] == 0)
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < tol
+
+
 def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
     from vllm_tpu_lora.layers.attention import attention_backend, paged_attention_tpu
     from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
@@ -147,8 +182,12 @@ def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
 # "auto" on a TPU with 4 slots x rank 16: the xla backend's TPU strategies (step_layout):
 # steps with 3 adapters fill the 4-slot bucket, every slot, and run "stacked"; smaller
 # buckets run "onehot" over sliced reads, or "single".
-@pytest.mark.parametrize("backend", ["pallas", "auto"])
-def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, backend):
+@pytest.mark.parametrize("backend,max_loras", [("pallas", 4), ("auto", 4), ("auto", 8)])
+def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, backend,
+                                                   max_loras):
+    """Greedy multi-LoRA generation at "highest" precision against PEFT: the grouped
+    kernel (pallas); xla's table with 4 slots (the 3-adapter steps a bucket of every
+    slot: "stacked") and with 8 (those steps in a 4-slot bucket: the indexed kernel)."""
     from vllm_tpu_lora.testing.factory import make_peft_adapter
     from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
 
@@ -160,8 +199,8 @@ def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, 
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 500, size=int(rng.integers(2, 50))).tolist() for _ in range(8)]
     picks = [[*specs, None][i % 4] for i in range(8)]
-    llm = LLM(llama_dir, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
-              lora_backend=backend, **SMALL_ENGINE)
+    llm = LLM(llama_dir, dtype="float32", enable_lora=True, max_loras=max_loras,
+              max_lora_rank=16, lora_backend=backend, **SMALL_ENGINE)
     assert llm.llm_engine.runner.punica.backend == ("pallas" if backend == "pallas" else "xla")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=[reqs[n] if n else None for n in picks])
@@ -174,7 +213,8 @@ def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, 
     if backend == "pallas":
         assert kinds - {"base"} == {"pallas"}, kinds
     else:
-        assert "stacked" in kinds and kinds <= {"base", "onehot", "stacked", "single"}, kinds
+        assert ("stacked" if max_loras == 4 else "indexed") in kinds, kinds
+        assert kinds <= {"base", "onehot", "stacked", "single", "indexed"}, kinds
 
 
 def test_no_recompilation_on_tpu_while_adapters_swap(llama_dir, tmp_path_factory):

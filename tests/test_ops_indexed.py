@@ -1,0 +1,139 @@
+"""The indexed LoRA kernel (ops/indexed_lora.py) in the Pallas interpreter against a float64
+numpy reference (x @ A[s].T @ B[s] per token, s its adapter's device slot), its used-first
+reordering, its TPU lowering (jax.export) and its VMEM budget. Speed is the TPU's to
+measure: benchmarks/tpu_lora_layer.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vllm_tpu_lora.ops.indexed_lora import (
+    VMEM_BUDGET_BYTES,
+    fitting_tile,
+    indexed_lora,
+    token_tile,
+    used_first,
+    vmem_bytes,
+)
+from vllm_tpu_lora.ops.pallas_export import export_for_tpu
+
+
+def _step(rng, t, n, p, kind):
+    """(active_slots [P], token_lora_idx [T]) as lora/step_layout.onehot_layout gives them:
+    P device slots out of N (scattered, as LRU leaves them) and each token's position."""
+    active = rng.choice(n, size=p, replace=False).astype(np.int32)
+    if kind == "uniform":
+        pos = rng.integers(-1, p, size=t)
+    elif kind == "padded":  # a bucket wider than the step: the last positions unused
+        pos = rng.integers(-1, max(1, p // 3), size=t)
+    elif kind == "gaps":  # used positions with unused ones between them
+        pos = rng.choice([-1, 0, p - 1], size=t)
+    elif kind == "all_base":
+        pos = np.full(t, -1)
+    else:
+        raise ValueError(kind)
+    return active, pos.astype(np.int32)
+
+
+def _reference(x, weights, active, pos):
+    out = np.zeros((x.shape[0], sum(b.shape[2] for _, b in weights)))
+    for i in np.flatnonzero(pos >= 0):
+        s = active[pos[i]]
+        out[i] = np.concatenate([x[i] @ a[s].T @ b[s] for a, b in weights])
+    return out
+
+
+# (T, N slots, P bucket, R, D, output slices, token distribution): decode-sized and
+# several tiles, packed slices, a padded bucket, all-base steps, rank 8 and 64.
+CASES = [
+    (16, 8, 4, 16, 256, (128,), "uniform"),
+    (40, 128, 8, 16, 128, (256, 128, 128), "gaps"),
+    (7, 4, 4, 8, 128, (128,), "padded"),
+    (300, 32, 32, 64, 128, (128, 256), "uniform"),
+    (64, 16, 16, 16, 128, (128,), "all_base"),
+    (130, 64, 16, 16, 256, (384,), "padded"),
+]
+
+
+@pytest.mark.parametrize("t,n,p,r,d,outs,kind", CASES)
+def test_indexed_kernel_matches_float64(t, n, p, r, d, outs, kind):
+    rng = np.random.default_rng(t * n + r)
+    active, pos = _step(rng, t, n, p, kind)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    weights = [(rng.standard_normal((n, r, d)).astype(np.float32) / np.sqrt(d),
+                rng.standard_normal((n, r, o)).astype(np.float32) / np.sqrt(r)) for o in outs]
+    used = set(active[pos[pos >= 0]].tolist())
+    for a, b in weights:  # slots no token uses are never read: NaN there cannot leak
+        a[sorted(set(range(n)) - used)] = np.nan
+        b[sorted(set(range(n)) - used)] = np.nan
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(indexed_lora(jnp.asarray(x), [tuple(map(jnp.asarray, w)) for w in weights],
+                                      jnp.asarray(pos), jnp.asarray(active), interpret=True,
+                                      precision="highest"))
+    ref = _reference(x.astype(np.float64), [(a.astype(np.float64), b.astype(np.float64))
+                                            for a, b in weights], active, pos)
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    assert np.all(got[pos < 0] == 0)  # tokens without an adapter: exactly zero
+    rms = float(np.sqrt(np.mean(ref ** 2))) or 1.0
+    assert np.max(np.abs(got - ref)) / rms < 1e-5
+
+
+def test_indexed_kernel_bfloat16():
+    rng = np.random.default_rng(4)
+    t, n, p, r, d, o = 48, 16, 8, 16, 256, 384
+    active, pos = _step(rng, t, n, p, "uniform")
+    x = rng.standard_normal((t, d))
+    a, b = rng.standard_normal((n, r, d)) / np.sqrt(d), rng.standard_normal((n, r, o)) / np.sqrt(r)
+    bf = [jnp.asarray(v, jnp.bfloat16) for v in (x, a, b)]
+    got = np.asarray(indexed_lora(bf[0], [(bf[1], bf[2])], jnp.asarray(pos),
+                                  jnp.asarray(active), interpret=True).astype(jnp.float32))
+    as64 = [np.asarray(v.astype(jnp.float32), np.float64) for v in bf]
+    ref = _reference(as64[0], [(as64[1], as64[2])], active, pos)
+    assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < 3e-2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_used_first_moves_used_positions_to_the_front(seed):
+    """The kernel visits count positions: exactly the used ones, each token's new position
+    naming the same device slot as before."""
+    rng = np.random.default_rng(seed)
+    t, n, p = int(rng.integers(1, 200)), 64, int(rng.choice([1, 4, 16, 32]))
+    active, pos = _step(rng, t, n, p, ["uniform", "padded", "gaps", "all_base"][seed])
+    slots, new_pos, count = (np.asarray(v) for v in used_first(jnp.asarray(pos),
+                                                              jnp.asarray(active)))
+    used = sorted(set(pos[pos >= 0].tolist()))
+    assert int(count[0]) == len(used)
+    assert slots.tolist()[:len(used)] == active[used].tolist()  # in their order
+    assert np.array_equal(new_pos < 0, pos < 0)
+    assert np.array_equal(slots[new_pos[pos >= 0]], active[pos[pos >= 0]])
+    assert np.all(new_pos < max(1, len(used)))
+
+
+def test_vmem_budget_halves_the_token_tile_then_refuses():
+    assert token_tile(1) == 16 and token_tile(40) == 48 and token_tile(1000) == 128
+    assert vmem_bytes(128, 14336, (4096,), 16, "bfloat16") <= VMEM_BUDGET_BYTES
+    # Llama-3-8B's gate_up at rank 64: the accumulators of two 14336-wide slices.
+    tile = fitting_tile(128, 4096, (14336, 14336), 64, "bfloat16")
+    assert 16 <= tile <= 128 and vmem_bytes(tile, 4096, (14336, 14336), 64,
+                                            "bfloat16") <= VMEM_BUDGET_BYTES
+    # Rank 512 at Qwen2.5-7B's MLP width: B alone is 19 MB a buffer, no token tile fits;
+    # refused, naming the shape (the one-hot and grouped paths tile O there).
+    with pytest.raises(ValueError, match=r"indexed_lora: D=3584, outputs \(18944,\) at rank 512"):
+        fitting_tile(128, 3584, (18944,), 512, "bfloat16")
+
+
+# Llama-3-8B's linears at decode and prefill shapes: Mosaic's lowering accepts them.
+LOWERED = [(16, 128, 16, 16, 4096, (4096, 1024, 1024)), (128, 128, 32, 64, 14336, (4096,)),
+           (256, 32, 32, 16, 4096, (14336, 14336)), (64, 8, 8, 256, 3584, (18944,))]
+
+
+@pytest.mark.parametrize("t,n,p,r,d,outs", LOWERED)
+def test_indexed_kernel_lowers_for_tpu(t, n, p, r, d, outs):
+    bf = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((t, d), bf),
+            [(jax.ShapeDtypeStruct((n, r, d), bf), jax.ShapeDtypeStruct((n, r, o), bf))
+             for o in outs],
+            jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((p,), jnp.int32))
+    exported = export_for_tpu(lambda x, w, ti, sl: indexed_lora(x, w, ti, sl), args)
+    assert "tpu_custom_call" in exported.mlir_module()
