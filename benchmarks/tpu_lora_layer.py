@@ -64,6 +64,7 @@ def step_arrays(jnp, token_slot, n, block):
               **step_layout.onehot_layout(token_slot, slots, n)}
     out = {k: jnp.asarray(v) for k, v in arrays.items()}
     out["token_slot"] = jnp.asarray(token_slot, jnp.int32)
+    out["active_count"] = jnp.asarray([n], jnp.int32)  # positions 0..n-1 (some maybe unused)
     out["plan"] = None  # built by with_plan once the rank is known
     return out
 
@@ -165,10 +166,12 @@ def compositions(pk, jnp, block, interpret, precision="default"):
     indexed_lora = load_torch_free("ops.indexed_lora").indexed_lora
 
     def indexed(x, y, lay, a_s, bt_s):
-        """ops/indexed_lora.py: onehot's step arrays, each used adapter's A and B
-        (rank-first) read at its slot by the kernel's own DMA, no copy."""
+        """ops/indexed_lora.py: onehot's step arrays and the count of the step's adapters
+        (as the engine passes them), each adapter's A and B (rank-first) read at its slot
+        by the kernel's own DMA, no copy."""
         delta = indexed_lora(x, list(zip(a_s, bt_s)), lay["token_lora_idx"],
-                             lay["active_slots"], interpret=interpret, precision=precision)
+                             lay["active_slots"], lay["active_count"], interpret=interpret,
+                             precision=precision)
         return y + delta.astype(y.dtype)
 
     return {"per_slice": per_slice, "single": single, "onehot": onehot, "stacked": stacked,

@@ -130,22 +130,21 @@ def test_mixed_adapter_batch_matches_peft(request, llama_dir, adapters, backend)
 
 def test_tpu_strategies_and_sliced_reads_match_peft(llama_dir, adapters):
     """The TPU's LoRA graphs on this runtime, on CPU: its strategy table ("single" for one
-    adapter, "stacked" over every slot where the bucket is all of them, else "indexed",
-    the Pallas kernel reading the step's adapters at their slots, here interpreted, up to
-    128 tokens and "onehot" above) and its reads of a step's slots as dynamic slices
+    adapter, "onehot" over the step's adapters, "stacked" over every slot where the
+    bucket is all of them) and its reads of the step's slots as dynamic slices
     (ops.take_slots), against PEFT, through fewer slots than adapters; then a padded
     batch of slot writes (ops.put_slots) read back."""
     llm = LLM(llama_dir, runtime="jax", lora_backend="xla", precompile=False,
               **{**LORA_ENGINE, "max_loras": 4})
     engine = llm.llm_engine
     punica = engine.runner.punica
-    punica.tpu_strategies = punica.indexed_kernel = True
+    punica.tpu_strategies = True
     engine.runner.precompile()
     prompts, picks = _mixed_workload(adapters, n_prompts=12, seed=5)
     with no_jax_compiles():
         _assert_matches_peft(llm, llama_dir, adapters, prompts, picks)
     kinds = {key.split("/")[-1] for key, n in engine.stats()["forward_graph_steps"].items() if n}
-    assert {"single", "indexed", "stacked"} <= kinds, kinds
+    assert {"single", "onehot", "stacked"} <= kinds, kinds
     _assert_batched_slot_writes(llm)  # this runtime's writes: a dynamic update per slot
 
 

@@ -79,6 +79,30 @@ def test_indexed_kernel_matches_float64(t, n, p, r, d, outs, kind):
     assert np.max(np.abs(got - ref)) / rms < 1e-5
 
 
+def test_indexed_kernel_with_the_hosts_count():
+    """The engine-style call: the step's adapters first in active_slots and their count
+    given (no reordering on the device); bucket entries past it (slot 0, NaN here) are
+    never read."""
+    rng = np.random.default_rng(9)
+    t, n, p, used, r, d, o = 24, 32, 8, 5, 16, 128, 256
+    active = np.zeros(p, np.int32)
+    active[:used] = rng.choice(np.arange(1, n), size=used, replace=False)
+    pos = rng.integers(-1, used, size=t).astype(np.int32)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    a = rng.standard_normal((n, r, d)).astype(np.float32) / np.sqrt(d)
+    b = rng.standard_normal((n, r, o)).astype(np.float32) / np.sqrt(r)
+    a[0] = b[0] = np.nan
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(indexed_lora(jnp.asarray(x), [(jnp.asarray(a), jnp.asarray(b))],
+                                      jnp.asarray(pos), jnp.asarray(active),
+                                      jnp.asarray([used], np.int32), interpret=True,
+                                      precision="highest"))
+    ref = _reference(x.astype(np.float64), [(a.astype(np.float64), b.astype(np.float64))],
+                     active, pos)
+    assert np.isfinite(got).all() and np.all(got[pos < 0] == 0)
+    assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < 1e-5
+
+
 def test_indexed_kernel_bfloat16():
     rng = np.random.default_rng(4)
     t, n, p, r, d, o = 48, 16, 8, 16, 256, 384

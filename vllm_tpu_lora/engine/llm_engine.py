@@ -87,8 +87,6 @@ class LLMEngine:
             tp=self.tp, enforce_eager=mc.enforce_eager, runtime=self.runtime)
         if punica is not None and punica.backend == "pallas":
             self._check_kernel_budget(dtype)
-        if punica is not None:
-            punica.indexed_kernel = self._indexed_kernel_runs(punica, dtype)
         self._rng = np.random.default_rng(mc.seed)
         self._requests: dict[str, RequestState] = {}
         self._counter = itertools.count()
@@ -124,26 +122,12 @@ class LLMEngine:
         return manager, punica
 
     def _log_lora_backend(self, backend: str, lc) -> None:
-        """Say which LoRA backend runs (a TPU's xla strategies: _indexed_kernel_runs)."""
+        """Say which LoRA backend (and, on a TPU's xla backend, which strategy) runs."""
+        what = backend
+        if backend == "xla" and self.tp is None and platform.is_tpu():
+            what = "xla (onehot; single for one adapter)"
         logger.info("LoRA backend: %s (lora_backend=%r, max_loras=%d, max_lora_rank=%d)",
-                    backend, lc.lora_backend, lc.max_loras, lc.max_lora_rank)
-
-    def _indexed_kernel_runs(self, punica, dtype) -> bool:
-        """Whether a TPU's xla graphs may run the indexed Pallas kernel (step_layout's
-        table: decode-sized buckets short of every slot): the jax runtime only (torch_xla
-        2.9 cannot call JAX's Pallas on this chip's libtpu), and only where every layer's
-        kernel fits VMEM at the largest rank. Logged with the strategies it implies."""
-        from vllm_tpu_lora.lora import step_layout
-        from vllm_tpu_lora.ops import indexed_lora, vmem
-
-        if not (punica.tpu_strategies and punica.fuse_slices and punica.backend == "xla"):
-            return False
-        runs = self.runtime.name == "jax" and indexed_lora.fits(
-            self.lora_manager.kernel_layers(), self.lora_manager.max_rank, vmem.dtype_name(dtype))
-        logger.info("LoRA on this TPU: single for one adapter, stacked for a bucket of every "
-                    "slot, %s", f"indexed (Pallas) up to {step_layout.INDEXED_MAX_TOKENS} "
-                    "tokens, else onehot" if runs else "else onehot")
-        return runs
+                    what, lc.lora_backend, lc.max_loras, lc.max_lora_rank)
 
     def _check_kernel_budget(self, dtype) -> None:
         """Refuse, before compiling anything, a configuration whose Pallas LoRA kernels

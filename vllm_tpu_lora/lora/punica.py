@@ -82,9 +82,6 @@ class PunicaWrapper:
         # (ops.take_slots: a TPU lowers a gather over the slot axis reading every slot).
         # Tests set it on CPU, where the buffers keep their CPU layout.
         self.tpu_strategies = self.on_tpu
-        # The TPU table's "indexed" graphs (a Pallas kernel called inside the step): the
-        # engine sets it on the jax runtime on a TPU; tests set it on CPU (interpreter).
-        self.indexed_kernel = False
         self.num_active_slots = 0  # the slot bucket S of the graph being traced
         # Some layers hold per-slot vectors (LoRA bias, DoRA): every step then also carries
         # each token's device slot, whatever the strategy (see slot_rows).
@@ -177,12 +174,12 @@ class PunicaWrapper:
             return None
         if self.force_strategy is not None:
             if not self.a_by_input and self.force_strategy not in ("single", "onehot",
-                                                                    "stacked", "indexed"):
+                                                                    "stacked"):
                 raise ValueError(f"strategy {self.force_strategy!r} reads A as [N, D, R], "
                                  "which a TPU does not hold")
             return self.force_strategy
         return step_layout.xla_strategy(num_tokens, num_slots, self.max_loras,
-                                        self.tpu_strategies, self.indexed_kernel)
+                                        self.tpu_strategies)
 
     def step_strategy(self, token_pos: np.ndarray, num_slots: int,
                       fallback: bool = False) -> str | None:
@@ -260,8 +257,6 @@ class PunicaWrapper:
             return self._single_slot_linear(y, x, lora_a, lora_b)
         if strategy == "onehot":
             return self._onehot_linear(y, x, lora_a, lora_b)
-        if strategy == "indexed":
-            return self._indexed_linear(y, x, lora_a, lora_b)
         if strategy == "stacked":
             return self._stacked_linear(y, x, lora_a, lora_b)
         if strategy == "gathered":
@@ -345,20 +340,6 @@ class PunicaWrapper:
             xi = xa[:, :, i * rank:(i + 1) * rank].reshape(t, s * rank)
             deltas.append(xi @ b.reshape(s * rank, b.shape[2]))
         return y + torch.cat(deltas, dim=1).to(y.dtype)
-
-    def _indexed_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
-        """The indexed Pallas kernel (ops/indexed_lora.py) on onehot's arrays: each adapter
-        the step uses read once, at its slot, by the kernel's own DMA (no copy of the
-        weights, no read of the slots the step does not use), shrink and expand fused.
-        A rank-first [N, R, D] and B [N, R, O] as a TPU holds them (a CPU's [N, D, R] A,
-        in tests that run the TPU's table there, is transposed first)."""
-        from vllm_tpu_lora.ops.bgmv_pallas import indexed_linear
-
-        if self.a_by_input:
-            lora_a = [la.transpose(1, 2) for la in lora_a]
-        delta = indexed_linear(x, self.step["token_lora_idx"], self.step["active_slots"],
-                               lora_a, lora_b)
-        return y + delta.to(y.dtype)
 
     def _take(self, buffers: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         return ops.take_slots(buffers, slots, sliced=self.tpu_strategies)
@@ -460,7 +441,7 @@ class PunicaWrapper:
             return self._slots_expand(y, [self._to_slot_rows(xa, n)], [lora_b])
         if strategy == "single":
             return self._single_expand(y, xa, [lora_b])
-        if strategy in ("onehot", "indexed"):  # indexed: onehot's arrays, for the linears
+        if strategy == "onehot":
             return self._onehot_expand(y, xa[:, None, :] * self._onehot(xa.dtype)[:, :, None],
                                        [lora_b])
         if strategy == "stacked":

@@ -142,25 +142,19 @@ SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
 GATHERED_UP_TO = ((8, 32), (16, 64))  # (min S, max T) pairs where gathered wins
 SPLIT_FROM_TOKENS = 64  # buckets from here run "split" (below)
-# The indexed kernel (ops/indexed_lora.py) re-reads every adapter per 128-token tile and
-# multiplies at rank width: a kernel for decode-sized graphs.
-INDEXED_MAX_TOKENS = 128
 LIGHT_ROWS = 16  # rows of the split strategy's gathered part
 
 
 def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
-                 on_tpu: bool = False, indexed: bool = False) -> str:
+                 on_tpu: bool = False) -> str:
     """The xla backend's LoRA strategy for graph (T, S): on a TPU "single" for S = 1,
-    "stacked" where S is every device slot, else "indexed" up to INDEXED_MAX_TOKENS
-    tokens where its kernel can run in the graph (`indexed`: the jax runtime), else
-    "onehot"; elsewhere "slots" where it applies (its steps that do not fit run
-    `fallback_strategy`), else the fallback itself."""
+    "stacked" where S is every device slot, else "onehot"; elsewhere "slots" where it
+    applies (its steps that do not fit run `fallback_strategy`), else the fallback
+    itself."""
     if on_tpu:
         if num_slots == 1:
             return "single"
-        if 0 < max_loras <= num_slots:
-            return "stacked"
-        return "indexed" if indexed and num_tokens <= INDEXED_MAX_TOKENS else "onehot"
+        return "stacked" if 0 < max_loras <= num_slots else "onehot"
     if (num_slots >= 2 and 0 < max_loras < 2 * num_slots
             and SPLIT_FROM_TOKENS <= num_tokens <= SLOTS_MAX_TOKENS):
         return "slots"

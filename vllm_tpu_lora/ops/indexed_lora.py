@@ -1,14 +1,19 @@
 """The LoRA delta of a decode-sized step as one Pallas kernel per linear that reads each
-adapter the step uses straight from the slot buffers, once: cost that follows the bytes
-the step needs. JAX only (no torch import), like grouped_lora.py.
+adapter the step uses straight from the slot buffers, once. JAX only (no torch import),
+like grouped_lora.py.
 
-Why (issue 42, measured on a v5e): a decode step is bound by the bytes it reads, and
-the least it must read is its adapters' A and B once. XLA's one-hot reads more:
-"stacked" reads every device slot, used or not; "onehot" first copies the step's S
-slots out of the buffers (a TPU gathers over the slot axis by reading every slot, so
-the copy is S dynamic slices, concatenated) and then reads the copy: three passes over
-the active weights. The grouped kernel reads 128 lanes of slots at a time, most of
-them unused when the adapters sit scattered over the slots (LRU assignment).
+Why it was tried (issue 42): a decode step is bound by the bytes it reads, and the least
+it must read is its adapters' A and B once. XLA's one-hot reads more: "stacked" reads
+every device slot, used or not; "onehot" first copies the step's S slots out of the
+buffers (S dynamic slices, concatenated) and then reads the copy.
+
+Measured on a v5e (2026-12-07, benchmarks/tpu_lora_layer.py, a Llama-3-8B layer at
+16-64 tokens over 8-64 adapters): correct under Mosaic, and 1.3-1.7x slower than
+onehot at every shape where the step uses its whole bucket, as the engine's steps do.
+One grid step per adapter at rank-16 width costs more than onehot's copy saves. The
+engine does not run it; the layer benchmark keeps it beside the paths it lost to. What
+it would need: several adapters per grid step (manual DMAs of arbitrary slots into one
+128-lane group, as grouped_lora.py's contiguous groups fill it).
 
 Formulation. The step's adapters are given as the onehot strategy's arrays: their
 device slots (`active_slots`, padded) and each token's position among them
@@ -181,7 +186,7 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, interpret=False
       *[b.astype(x.dtype) for _, b in weights])
 
 
-def indexed_lora(x, weights, token_lora_idx, active_slots, *, interpret=False,
+def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, interpret=False,
                  precision="default"):
     """The LoRA delta of every slice of a linear: [T, sum of O] (x.dtype), token t's slice
     i = x[t] @ A_i[s].T @ B_i[s] for s = active_slots[token_lora_idx[t]], 0 where
@@ -189,12 +194,19 @@ def indexed_lora(x, weights, token_lora_idx, active_slots, *, interpret=False,
 
     x [T, D]; weights [(A [N, R, D], B [N, R, O_i]), ...] (one pair per output slice,
     rank-first); token_lora_idx int32 [T]; active_slots int32 [P] (the onehot
-    strategy's arrays, lora/step_layout.onehot_layout)."""
+    strategy's arrays, lora/step_layout.onehot_layout). count int32 [1]: how many of
+    active_slots some token uses, all of them first (the engine's steps: the host lists
+    only the step's adapters); None: found on the device (used_first), a few small ops
+    per call."""
     t, d = x.shape
     r = weights[0][0].shape[1]
     tile = fitting_tile(token_tile(t), d, tuple(b.shape[2] for _, b in weights), r, x.dtype)
     t_pad = -(-t // tile) * tile
-    slots, positions, count = used_first(token_lora_idx, active_slots)
+    if count is None:
+        slots, positions, count = used_first(token_lora_idx, active_slots)
+    else:
+        slots, positions = active_slots.astype(jnp.int32), token_lora_idx.astype(jnp.int32)
+        count = count.astype(jnp.int32)
     if t_pad > t:  # concatenation, not jnp.pad (x64, see grouped_lora._i32)
         x = jnp.concatenate([x, jnp.zeros((t_pad - t, d), x.dtype)])
         positions = jnp.concatenate([positions, jnp.full((t_pad - t,), -1, jnp.int32)])
