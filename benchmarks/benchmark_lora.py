@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
                    help="with --many-adapters: two more halves per round that split the cost "
                         "(as many adapters as slots, no swaps; the distinct adapters pre-read into the host "
                         "cache, so slot writes without disk); raises max_cpu_loras to hold them")
+    p.add_argument("--profile-host", action="store_true",
+                   help="with --many-adapters: the engine thread's extra host time per adapter "
+                        "by function (cProfile, in an extra untimed round first)")
     p.set_defaults(**LORA_SHAPE)
     args = apply_small(p.parse_args())
     if args.small:

@@ -11,7 +11,10 @@ slot write; and adapter cold start: an idle engine gets a request whose adapter 
 never seen (arrival -> first token), against the same request with the adapter already
 in a slot. --breakdown adds two diagnostic halves: as many adapters as slots (16), and
 the distinct adapters read into the host cache before the timed run (slot writes, no
-disk); the engine then gets max_cpu_loras = requests + 16 to hold them.
+disk); the engine then gets max_cpu_loras = requests + 16 to hold them. --profile-host
+runs each half once more first, untimed, under cProfile (the engine thread), and adds a row of the
+functions whose cumulative time grew most from the 8-adapter half to the distinct one,
+in ms per adapter: where the engine thread's extra host time per step goes.
 
 The first adapter is made with peft; the others are copies with re-drawn weights (the same
 files and format, written with safetensors: ~50x cheaper than running peft 1,000 times).
@@ -19,7 +22,10 @@ files and format, written with safetensors: ~50x cheaper than running peft 1,000
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
 import os
+import pstats
 import statistics
 import time
 
@@ -102,6 +108,25 @@ def _breakdown_rows(results: dict[str, list[dict]], n: int, slots: int) -> list[
             if name in (f"{slots}_adapters_no_swaps", f"{n}_adapters_host_cached")]
 
 
+def _times(profile: cProfile.Profile, which: int) -> dict[str, float]:
+    """{"file:line function": seconds} of a finished profile: which = 2 own time, 3
+    cumulative."""
+    stats = pstats.Stats(profile).stats
+    return {f"{os.path.basename(f)}:{line} {fn}": v[which] for (f, line, fn), v in stats.items()}
+
+
+def host_profile_row(profiles: dict[str, cProfile.Profile], n: int, top: int = 25) -> dict:
+    """The engine thread's functions whose time grew most from the 8-adapter half to the
+    distinct-adapter one, ms per distinct adapter: cumulative (where in the engine) and
+    own time (what it is)."""
+    row = {"name": "many_adapters:host_profile", "adapters": n}
+    for key, which in (("extra_ms_per_adapter", 3), ("extra_own_ms_per_adapter", 2)):
+        few, many = (_times(profiles[k], which) for k in ("8_adapters", f"{n}_adapters"))
+        grew = sorted(((many[k] - few.get(k, 0.0), k) for k in many), reverse=True)[:top]
+        row[key] = {k: round(1e3 * d / n, 4) for d, k in grew}
+    return row
+
+
 def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[dict]:
     from benchmark_throughput import make_workload
 
@@ -123,8 +148,10 @@ def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[
     if breakdown:
         results.update({f"{slots}_adapters_no_swaps": [], f"{n}_adapters_host_cached": []})
     fresh = {f"{n}_adapters", f"{n}_adapters_host_cached"}  # halves with new adapter ids
+    profiles: dict[str, cProfile.Profile] = {}
     next_id = 1000
-    for rnd in range(args.rounds):
+    profile_host = getattr(args, "profile_host", False)
+    for rnd in range(-1 if profile_host else 0, args.rounds):  # -1: the profiled, untimed round
         # Alternate the halves' order (ABBA...): a host that drifts within a round then
         # favours none of them over the rounds.
         for name in list(results)[::1 if rnd % 2 == 0 else -1]:
@@ -139,10 +166,15 @@ def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[
                     for lr in loras:
                         llm.llm_engine.add_lora(lr)
             loads0, slots0 = manager.num_host_loads, manager.num_slot_loads
-            row = timed_generate(llm, work, loras)
+            profiling = rnd < 0
+            if profiling:
+                profiles[name] = cProfile.Profile()
+            with profiles[name] if profiling else contextlib.nullcontext():
+                row = timed_generate(llm, work, loras)
             row.update(adapter_reads=manager.num_host_loads - loads0,
                        slot_writes=manager.num_slot_loads - slots0)
-            results[name].append(row)
+            if not profiling:
+                results[name].append(row)
             if name in fresh:
                 for lr in loras:
                     llm.llm_engine.remove_lora(lr.lora_int_id)
@@ -165,6 +197,7 @@ def run(args, model_dir: str, tmp: str, timed_generate, engine_factory) -> list[
              / sum(r["elapsed_s"] for r in results[f"{n}_adapters"]),
              "rounds": args.rounds},
             *_breakdown_rows(results, n, slots),
+            *([host_profile_row(profiles, n)] if profiles else []),
             slot_write_row(llm, paths[0]),
             *cold_start_rows(llm, paths, next_id),
             {"name": "compilations_after_warmup", "count": stats["compilations_after_warmup"],

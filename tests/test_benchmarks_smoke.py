@@ -19,8 +19,10 @@ def test_benchmark_vs_peft_small_runs_and_outputs_agree():
 
 
 def test_benchmark_lora_many_adapters_small_runs():
-    """--many-adapters --breakdown at smoke size: every request's adapter is read during
-    the run, the rows carry the ratio and cold start, and nothing compiles after warm-up."""
+    """--many-adapters --breakdown --profile-host at smoke size: every request's adapter is
+    read during the run, the rows carry the ratio, cold start and the engine thread's
+    extra time by function (the slot writes among it), and nothing compiles after
+    warm-up."""
     import json
     import os
     import subprocess
@@ -28,7 +30,7 @@ def test_benchmark_lora_many_adapters_small_runs():
 
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "benchmark_lora.py")
     out = subprocess.run([sys.executable, script, "--many-adapters", "--small", "--rounds", "1",
-                          "--breakdown"],
+                          "--breakdown", "--profile-host"],
                          capture_output=True, text=True, timeout=600, check=True).stdout
     rows = {r["name"]: r for r in map(json.loads, out.splitlines())}
     many = rows["many_adapters:24_distinct_adapters"]
@@ -42,6 +44,9 @@ def test_benchmark_lora_many_adapters_small_runs():
     assert many["relative_to_8_adapters"] > 0
     assert rows["adapter_cold_start"]["ttft_ms_median"] > 0
     assert rows["compilations_after_warmup"]["count"] == 0
+    extra = rows["many_adapters:host_profile"]["extra_ms_per_adapter"]
+    assert any("write_slots" in fn for fn in extra) and all(ms > 0 for ms in extra.values())
+    assert rows["many_adapters:host_profile"]["extra_own_ms_per_adapter"]
 
 
 def _run_without_torch(script_name: str, *argv: str) -> list[dict]:
