@@ -109,6 +109,13 @@ class JaxRuntime:
         with x64(True):
             return self.wrap(jax.device_put(host, self.placement))
 
+    def to_device_many(self, xs: list) -> list[torch.Tensor]:
+        """Several arrays or CPU tensors moved in one device_put: JAX's bookkeeping per
+        call (~0.2 ms on a CPU host) is paid once, not per array (slot writes)."""
+        hosts = [x if isinstance(x, np.ndarray) else host_array(x) for x in xs]
+        with x64(True):
+            return [self.wrap(a) for a in jax.device_put(hosts, self.placement)]
+
     def to_host(self, t: torch.Tensor) -> np.ndarray:
         return np.asarray(t._elem)
 

@@ -59,6 +59,9 @@ class TorchXLARuntime:
             x = torch.from_numpy(x)
         return x.to(self.device)
 
+    def to_device_many(self, xs: list) -> list[torch.Tensor]:
+        return [self.to_device(x) for x in xs]
+
     def to_host(self, t: torch.Tensor) -> np.ndarray:
         return t.cpu().numpy()
 
