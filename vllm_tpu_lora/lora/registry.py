@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -254,9 +252,12 @@ class AdapterRegistry:
 
     def _pool(self) -> ThreadPoolExecutor:
         # One thread does the reads: more would only compete with the step for the cores.
+        # At normal priority: lowered (niceness 10), it starved behind XLA's threads on a
+        # busy 2-core host, its reads landed after the wave they were for, and requests
+        # were admitted staggered into mixed prefill/decode steps (issue 41's churn:
+        # 0.65x -> 0.83x of the 8-adapter throughput without it; docs/benchmarks.md).
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-loader",
-                                                initializer=_lower_priority)
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-loader")
         return self._executor
 
     def shutdown(self) -> None:
@@ -322,13 +323,3 @@ class AdapterRegistry:
         if entry.host is not None:
             self._touch(entry)
             self._trim()
-
-
-def _lower_priority() -> None:
-    """The loader reads ahead of need: on a busy host it should yield the cores to the
-    engine's device work (XLA's CPU threads here), not compete with it. Linux niceness
-    is per thread; elsewhere this is a no-op."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
