@@ -44,16 +44,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from vllm_tpu_lora.ops import vmem
+from vllm_tpu_lora.ops.grouped_lora import token_tile  # the same tiles: up to 128 rows
 from vllm_tpu_lora.ops.pallas_kernels import _check_precision, _nt_dot, dot_precision
 
-MAX_TILE = 128  # token rows per tile
 VMEM_BUDGET_BYTES = 32 * vmem.MiB
-
-
-def token_tile(num_tokens: int) -> int:
-    """TM: the whole step up to 128 tokens (rounded up to 16 rows, bfloat16's sublane
-    tile), else 128."""
-    return min(MAX_TILE, -(-num_tokens // 16) * 16)
 
 
 def vmem_bytes(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype) -> int:
@@ -81,18 +75,6 @@ def fitting_tile(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype) -> 
                          f"{vmem.dtype_name(dtype)} need ~{limit // vmem.MiB} MiB of VMEM, "
                          f"more than the {vmem.VMEM_LIMIT_CEILING_BYTES // vmem.MiB} MiB allowed")
     return tile
-
-
-def fits(layers, rank: int, dtype) -> bool:
-    """Whether every layer, given as (in_features, output slices) (in_features None: an
-    embedding, which this kernel does not run), fits VMEM at some token tile."""
-    try:
-        for d, outs in layers:
-            if d is not None:
-                fitting_tile(MAX_TILE, d, tuple(outs), rank, dtype)
-    except ValueError:
-        return False
-    return True
 
 
 def used_first(token_lora_idx: jax.Array, active_slots: jax.Array):
