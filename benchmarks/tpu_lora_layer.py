@@ -267,7 +267,7 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
     token_slot = rng.integers(0, active, size=t).astype(np.int32)  # every token on an adapter
     lay = with_plan(jnp, step_arrays(jnp, token_slot, active, block), n, r)
     comps = compositions(pk, jnp, block, interpret)
-    xla = load_torch_free("lora.step_layout").xla_strategy(t, active, n, on_tpu=True)
+    xla = load_torch_free("lora.step_layout").xla_strategy(t, active, n, on_tpu=True, rank=r)
     row = dict(part="layer", T=t, N=n, active=active, R=r, dtype=dtype, block=block,
                xla_strategy=xla)
     paths = tuple(p for p in ("per_slice", "onehot", "stacked", "onehot_by_input", "grouped",

@@ -15,6 +15,7 @@ Nothing compiles after warm-up, counted by the engine and by JAX's own compile e
 """
 
 import contextlib
+import logging
 import sys
 
 import numpy as np
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from vllm_tpu_lora import LLM, LoRARequest, SamplingParams
+from vllm_tpu_lora.lora import step_layout
 from vllm_tpu_lora.runner.jax_runtime import jax_compile_count
 from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
 from vllm_tpu_lora.testing.server import RemoteServer
@@ -128,23 +130,29 @@ def test_mixed_adapter_batch_matches_peft(request, llama_dir, adapters, backend)
     assert stats["lora_slots_in_use"] <= 2 and stats["compilations_after_warmup"] == 0
 
 
-def test_tpu_strategies_and_sliced_reads_match_peft(llama_dir, adapters):
+def test_tpu_strategies_and_sliced_reads_match_peft(llama_dir, adapters, caplog):
     """The TPU's LoRA graphs on this runtime, on CPU: its strategy table ("single" for one
     adapter, "onehot" over the step's adapters, "stacked" over every slot where the
-    bucket is all of them) and its reads of the step's slots as dynamic slices
-    (ops.take_slots), against PEFT, through fewer slots than adapters; then a padded
-    batch of slot writes (ops.put_slots) read back."""
-    llm = LLM(llama_dir, runtime="jax", lora_backend="xla", precompile=False,
-              **{**LORA_ENGINE, "max_loras": 4})
+    bucket is all of them, the fused grouped kernel (interpreted here) where T*S*R is
+    large: its threshold lowered so that the 32-token bucket of 3-4 adapters reaches it) and its reads of the
+    step's slots as dynamic slices (ops.take_slots), against PEFT, through fewer slots
+    than adapters, graphs of every kind in one engine; the table logged at precompile;
+    then a padded batch of slot writes (ops.put_slots) read back."""
+    llm = LLM(llama_dir, runtime="jax", precompile=False, **{**LORA_ENGINE, "max_loras": 4})
     engine = llm.llm_engine
     punica = engine.runner.punica
+    assert punica.grouped_kernel_from == step_layout.GROUPED_KERNEL_FROM  # "auto"
     punica.tpu_strategies = True
-    engine.runner.precompile()
+    punica.grouped_kernel_from = (32 * 4 * 16, 4 * 16)  # T32 with 3-4 adapters of rank 16
+    with caplog.at_level(logging.INFO, logger="vllm_tpu_lora.runner.model_runner"):
+        engine.runner.precompile()
+    assert ("T16: S1 single, S2 onehot, S4 stacked; T32: S1 single, S2 onehot, "
+            "S4 grouped_kernel") in caplog.text
     prompts, picks = _mixed_workload(adapters, n_prompts=12, seed=5)
     with no_jax_compiles():
         _assert_matches_peft(llm, llama_dir, adapters, prompts, picks)
     kinds = {key.split("/")[-1] for key, n in engine.stats()["forward_graph_steps"].items() if n}
-    assert {"single", "onehot", "stacked"} <= kinds, kinds
+    assert {"single", "onehot", "stacked", "grouped_kernel"} <= kinds, kinds
     _assert_batched_slot_writes(llm)  # this runtime's writes: a dynamic update per slot
 
 

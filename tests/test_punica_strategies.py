@@ -165,11 +165,12 @@ def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
 
 
 def test_tpu_backend_rule_and_onehot_table(monkeypatch):
-    """lora_backend="auto": the xla backend on and off a TPU, at any slot count and rank
-    (on a TPU its onehot strategy beat every Pallas composition measured, the fused
-    grouped kernel at 128 slots included); there a graph with 2+ adapters runs onehot
-    over its adapters, or stacked where its bucket is every slot ("single" for one); an
-    explicit backend stands."""
+    """lora_backend="auto": the xla backend on and off a TPU, at any slot count and rank;
+    there a graph with 2+ adapters runs onehot over its adapters, or stacked where its
+    bucket is every slot ("single" for one), and the fused grouped kernel only where
+    T*S*R reaches the measured 2^20 over 2,048+ lanes (S*R; with "auto", an explicit "xla"
+    never); an explicit
+    backend stands."""
     from vllm_tpu_lora.lora import punica as punica_mod
 
     for tpu in (False, True):
@@ -184,3 +185,16 @@ def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     for t in (16, 256, 1024):  # a bucket of every slot reads them as they lie
         assert punica.xla_strategy(t, 16) == "stacked", t
     assert punica.xla_strategy(16, 1) == punica.xla_strategy(512, 1) == "single"
+    punica.max_loras, punica.max_rank = 128, 16
+    assert punica.xla_strategy(1024, 128) == "stacked"  # lora_backend="xla": XLA ops only
+    punica.grouped_kernel_from = step_layout.GROUPED_KERNEL_FROM  # as "auto" sets it
+    assert punica.xla_strategy(512, 128) == punica.xla_strategy(1024, 128) == "grouped_kernel"
+    assert punica.xla_strategy(256, 128) == "stacked"  # 2^19: measured slower there
+    assert punica.xla_strategy(1024, 32) == punica.xla_strategy(8192, 32) == "onehot"  # 512 lanes
+    assert punica.xla_strategy(4096, 1) == "single"
+    punica.max_rank = 64  # the rule reads the buffers' rank
+    assert punica.xla_strategy(256, 128) == "grouped_kernel"
+    assert punica.xla_strategy(256, 32) == "onehot"
+    assert punica.strategy_table([256, 512], [0, 1, 2, 32, 128]) == (
+        "T256: S1 single, S2-S32 onehot, S128 grouped_kernel; "
+        "T512: S1 single, S2 onehot, S32-S128 grouped_kernel")

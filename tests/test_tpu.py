@@ -181,8 +181,10 @@ def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
 
 # "auto" on a TPU with 4 slots x rank 16: the xla backend's TPU strategies (step_layout):
 # steps with 3 adapters fill the 4-slot bucket, every slot, and run "stacked"; smaller
-# buckets run "onehot" over sliced reads, or "single".
-@pytest.mark.parametrize("backend", ["pallas", "auto"])
+# buckets run "onehot" over sliced reads, or "single". "kernel": "auto" with its grouped
+# kernel threshold lowered so that the 32-token buckets of 2+ adapters run the kernel under
+# Mosaic inside the engine, beside the other graphs.
+@pytest.mark.parametrize("backend", ["pallas", "auto", "kernel"])
 def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, backend):
     from vllm_tpu_lora.testing.factory import make_peft_adapter
     from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
@@ -196,8 +198,13 @@ def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, 
     prompts = [rng.integers(3, 500, size=int(rng.integers(2, 50))).tolist() for _ in range(8)]
     picks = [[*specs, None][i % 4] for i in range(8)]
     llm = LLM(llama_dir, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
-              lora_backend=backend, **SMALL_ENGINE)
-    assert llm.llm_engine.runner.punica.backend == ("pallas" if backend == "pallas" else "xla")
+              lora_backend="auto" if backend == "kernel" else backend, precompile=False,
+              **SMALL_ENGINE)
+    runner = llm.llm_engine.runner
+    assert runner.punica.backend == ("pallas" if backend == "pallas" else "xla")
+    if backend == "kernel":
+        runner.punica.grouped_kernel_from = (32 * 2 * 16, 2 * 16)
+    runner.precompile()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=[reqs[n] if n else None for n in picks])
     expected = hf_greedy(load_oracle_model(llama_dir, paths), prompts, MAX_NEW, adapter_names=picks)
@@ -208,8 +215,10 @@ def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, 
     kinds = {key.rsplit("/", 1)[1] for key in stats["forward_graph_steps"]}
     if backend == "pallas":
         assert kinds - {"base"} == {"pallas"}, kinds
-    else:
+    elif backend == "auto":
         assert "stacked" in kinds and kinds <= {"base", "onehot", "stacked", "single"}, kinds
+    else:
+        assert "grouped_kernel" in kinds, kinds
 
 
 def test_no_recompilation_on_tpu_while_adapters_swap(llama_dir, tmp_path_factory):

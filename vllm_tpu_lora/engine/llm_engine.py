@@ -96,6 +96,7 @@ class LLMEngine:
 
     def _setup_lora(self, model, dtype):
         """Wrap the model's linears with LoRA layers (from outside: the model stays plain)."""
+        from vllm_tpu_lora.lora import step_layout
         from vllm_tpu_lora.lora.layers import wrap_lora_layers
         from vllm_tpu_lora.lora.manager import LoRAManager
         from vllm_tpu_lora.lora.punica import PunicaWrapper, resolve_lora_backend
@@ -107,7 +108,9 @@ class LLMEngine:
         punica = PunicaWrapper(backend, fuse_slices=self.tp is None)
         self._log_lora_backend(backend, lc)
         punica.slot_vectors = lc.enable_lora_bias or lc.enable_dora
-        punica.max_loras = lc.max_loras
+        punica.max_loras, punica.max_rank = lc.max_loras, lc.max_lora_rank
+        if lc.lora_backend == "auto":  # the TPU table's largest graphs: the grouped kernel
+            punica.grouped_kernel_from = step_layout.GROUPED_KERNEL_FROM
         layers = wrap_lora_layers(model, punica, lc.max_loras, lc.max_lora_rank, lora_dtype,
                                   lc.target_modules, bias=lc.enable_lora_bias,
                                   dora=lc.enable_dora)
@@ -125,7 +128,7 @@ class LLMEngine:
         """Say which LoRA backend (and, on a TPU's xla backend, which strategy) runs."""
         what = backend
         if backend == "xla" and self.tp is None and platform.is_tpu():
-            what = "xla (onehot; single for one adapter)"
+            what = "xla (per graph; the table is logged at precompile)"
         logger.info("LoRA backend: %s (lora_backend=%r, max_loras=%d, max_lora_rank=%d)",
                     what, lc.lora_backend, lc.max_loras, lc.max_lora_rank)
 

@@ -21,10 +21,12 @@ slots strategy and the Pallas path instead run one product per slice, as concate
 would copy every slot's weights):
   - xla on a TPU, every graph with S >= 2 "onehot" (S = 1: "single"): the S active
     adapters' weights copied out, one product over all of them in token order selected
-    by a [T, S] one-hot (no gather of rows, no scatter back). It measured faster there
-    than every Pallas composition (the segment kernels up to slots x rank 1024, the
-    fused grouped kernel at 128 slots of rank 16 and 16-256 tokens) and than a one-hot
-    over every device slot (step_layout), so "auto" picks it on a TPU.
+    by a [T, S] one-hot (no gather of rows, no scatter back); "stacked" (the one-hot over
+    every slot as the buffers lie) where S is every slot. They measured faster there than
+    every Pallas composition up to T*S*R = 2^19. With lora_backend="auto", graphs whose
+    T*S*R reaches 2^20 over a one-hot of 2,048+ lanes (from 512 tokens over 128 adapters
+    of rank 16, 256 over 128 of rank 64) run "grouped_kernel", the fused grouped Pallas
+    kernel below over the same buffers: 0.62-0.87x onehot's time there (step_layout).
   - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64
     tokens, where S is above half of max_loras, "slots": each adapter's tokens in its
     own device slot's rows, one batched matmul per slice over the buffers as they lie
@@ -60,10 +62,10 @@ from vllm_tpu_lora.runner import buckets
 
 def resolve_lora_backend(requested: str) -> str:
     """The LoRA backend of a single-device engine: "auto" is the xla backend everywhere,
-    on a TPU its onehot strategy, which beat every Pallas composition measured on a v5e
-    at every slot count and rank (step_layout's notes). An explicit choice stands. (The
-    op-level ops.resolve_backend maps "auto" to the kernels on a TPU; this is the
-    engine's rule.)"""
+    whose strategy table on a TPU sends only the largest graphs to the grouped Pallas
+    kernel (`grouped_kernel_from`; step_layout's notes). An explicit choice stands:
+    "xla" runs XLA ops only. (The op-level ops.resolve_backend maps "auto" to the kernels
+    on a TPU; this is the engine's rule.)"""
     if requested != "auto":
         return ops.resolve_backend(requested)
     return "xla"
@@ -77,6 +79,11 @@ class PunicaWrapper:
         self.force_strategy: str | None = None
         self.force_block: int | None = None
         self.max_loras = 0  # device slots: the slots strategy reads all of them
+        self.max_rank = 0  # the buffers' rank: the TPU table's T*S*R rule reads it
+        # (T*S*R, S*R) from which a TPU graph runs the grouped Pallas kernel (None: XLA ops
+        # only, as an explicit lora_backend="xla" asks; "auto" sets step_layout's measured
+        # rule).
+        self.grouped_kernel_from: tuple[int, int] | None = None
         self.on_tpu = platform.is_tpu()  # the xla strategy table differs there
         # The TPU's strategy table, with its reads of a step's slots as dynamic slices
         # (ops.take_slots: a TPU lowers a gather over the slot axis reading every slot).
@@ -146,7 +153,7 @@ class PunicaWrapper:
         block = self.token_block(dtype, token_pos.shape[0], num_slots)
         if strategy == "grouped":
             return step_layout.segment_layout(token_pos, active_slots, num_slots, block)
-        if strategy in ("gathered", "stacked"):
+        if strategy in ("gathered", "stacked", "grouped_kernel"):
             return step_layout.token_slot_layout(token_pos, active_slots)
         if strategy == "split":
             return step_layout.split_layout(token_pos, active_slots, num_slots)
@@ -155,6 +162,22 @@ class PunicaWrapper:
             arrays.update(step_layout.token_slot_layout(token_pos, active_slots))
             arrays.update(step_layout.segment_layout(token_pos, active_slots, num_slots, block))
         return arrays  # one-hot, Pallas (its SegmentLayout carries idx), tensor parallel
+
+    def strategy_table(self, token_ladder: list[int], slot_ladder: list[int]) -> str:
+        """What each LoRA graph (T, S) runs, for the log: "T16: S1 single, S2-S8 onehot,
+        S16 stacked; ..." (runs of equal strategies merged)."""
+        rows = []
+        for t in token_ladder:
+            runs: list[list] = []  # [first S, last S, strategy]
+            for s in (s for s in slot_ladder if s > 0):
+                kind = self.xla_strategy(t, s) or self.backend
+                if runs and runs[-1][2] == kind:
+                    runs[-1][1] = s
+                else:
+                    runs.append([s, s, kind])
+            rows.append(f"T{t}: " + ", ".join(
+                f"S{a}{'' if a == b else f'-S{b}'} {k}" for a, b, k in runs))
+        return "; ".join(rows)
 
     def graph_slots(self, token_pos: np.ndarray, num_active: int, ladder: list[int]) -> int:
         """The LoRA-slot bucket S of the graph a step runs: the bucket of its active
@@ -179,7 +202,8 @@ class PunicaWrapper:
                                  "which a TPU does not hold")
             return self.force_strategy
         return step_layout.xla_strategy(num_tokens, num_slots, self.max_loras,
-                                        self.tpu_strategies)
+                                        self.tpu_strategies, self.max_rank,
+                                        self.grouped_kernel_from)
 
     def step_strategy(self, token_pos: np.ndarray, num_slots: int,
                       fallback: bool = False) -> str | None:
@@ -259,6 +283,9 @@ class PunicaWrapper:
             return self._onehot_linear(y, x, lora_a, lora_b)
         if strategy == "stacked":
             return self._stacked_linear(y, x, lora_a, lora_b)
+        if strategy == "grouped_kernel":  # A as the kernel reads it: a copy on CPU only
+            return self._pallas_linear(y, x, [la.transpose(1, 2) if self.a_by_input else la
+                                              for la in lora_a], lora_b, output_slices)
         if strategy == "gathered":
             return self._gathered_linear(y, x, lora_a, lora_b)
         if strategy == "split":
@@ -444,7 +471,7 @@ class PunicaWrapper:
         if strategy == "onehot":
             return self._onehot_expand(y, xa[:, None, :] * self._onehot(xa.dtype)[:, :, None],
                                        [lora_b])
-        if strategy == "stacked":
+        if strategy in ("stacked", "grouped_kernel"):  # the embedding: every slot's B
             return self._stacked_expand(
                 y, [xa[:, None, :] * self._slot_onehot(n, xa.dtype)[:, :, None]], [lora_b])
         if strategy in ("gathered", "split"):  # split: token_slot is there (slot_vectors)

@@ -133,27 +133,47 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 # Pallas figures are the per-slice segment path, which the engine no longer runs: its
 # linears run the fused grouped kernel (ops/grouped_lora.py), which lost to onehot at
 # every shape measured (run 12, 128 slots of rank 16, 1/8/32/128 in use: 1.4-1.7x
-# onehot's delta at 16 tokens, 1.2-3.0x at 256). So on a TPU "auto" is onehot at any
-# max_loras and rank (punica.resolve_lora_backend). Not measured: the grouped kernel at
-# 1024 tokens, where FLOPs favour it most, and rank 64 past 16 slots.
+# onehot's delta at 16 tokens, 1.2-3.0x at 256).
+# Where onehot's product T*S*R is largest it turns (runs 16-18, 2026-12-07, Llama-3-8B
+# layer, bf16; device ms of the layer's LoRA, onehot | stacked | grouped kernel):
+#   T*S*R = 2^18-2^19, grouped loses: T=512 S=32 R=16 0.436 | 0.431 | 0.712;
+#     T=256 S=128 R=16 0.805 | 0.717 | 0.874;  T=1024 S=32 R=16 0.781 | 0.773 | 1.164;
+#     T=256 S=32 R=64 0.694 | 2.34 | 1.04  (and T=256 S=32 R=16, 2^17: 0.284 | 0.737 | 0.600)
+#   T*S*R = 2^20, grouped wins: T=512 S=128 R=16 1.241 | 1.149 | 1.074
+#   T*S*R = 2^21: T=1024 S=128 R=16 2.48-2.53 | 2.14-2.16 | 1.53-1.57 (1.6-1.7x roofline);
+#     T=256 S=128 R=64 2.76 | 2.35 | 2.17
+# so on a TPU a graph whose T*S*R reaches 2^20 with a one-hot at least 2,048 lanes wide
+# (S*R: the kernel's lead is skipping the groups of 128 rank lanes a tile does not touch,
+# and every win measured had S*R >= 2,048) runs the fused grouped kernel over the buffers
+# as they lie ("grouped_kernel": A [N, R, D] and B [N, R, O] are already its layout there);
+# any other S >= 2 onehot or stacked as above. Both paths' FLOPs scale with the width
+# D+O, so the rule leaves it out. Not measured: S*R of 2,048 at rank 64 (S = 32), and
+# T*S*R past 2^21.
 # On XLA CPU the table above wins (onehot is its fallback at a few buckets only).
 
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
+# (T*S*R, S*R) from which a TPU graph runs the grouped kernel (above)
+GROUPED_KERNEL_FROM = (2**20, 2048)
 GATHERED_UP_TO = ((8, 32), (16, 64))  # (min S, max T) pairs where gathered wins
 SPLIT_FROM_TOKENS = 64  # buckets from here run "split" (below)
 LIGHT_ROWS = 16  # rows of the split strategy's gathered part
 
 
 def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
-                 on_tpu: bool = False) -> str:
-    """The xla backend's LoRA strategy for graph (T, S): on a TPU "single" for S = 1,
-    "stacked" where S is every device slot, else "onehot"; elsewhere "slots" where it
-    applies (its steps that do not fit run `fallback_strategy`), else the fallback
-    itself."""
+                 on_tpu: bool = False, rank: int = 0,
+                 kernel_from: tuple[int, int] | None = GROUPED_KERNEL_FROM) -> str:
+    """The xla backend's LoRA strategy for graph (T, S): on a TPU "single" for S = 1, the
+    fused grouped kernel where T*S*R and S*R (R: the buffers' rank) reach `kernel_from`
+    (None: never, XLA ops only), "stacked" where S is every device slot, else "onehot";
+    elsewhere "slots" where it applies (its steps that do not fit run
+    `fallback_strategy`), else the fallback itself."""
     if on_tpu:
         if num_slots == 1:
             return "single"
+        if (kernel_from is not None and num_tokens * num_slots * rank >= kernel_from[0]
+                and num_slots * rank >= kernel_from[1]):
+            return "grouped_kernel"
         return "stacked" if 0 < max_loras <= num_slots else "onehot"
     if (num_slots >= 2 and 0 < max_loras < 2 * num_slots
             and SPLIT_FROM_TOKENS <= num_tokens <= SLOTS_MAX_TOKENS):

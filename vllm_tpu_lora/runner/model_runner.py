@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,8 @@ from vllm_tpu_lora.runner.input_batch import StepArrays, kv_window_blocks, prepa
 from vllm_tpu_lora.runner.lazy_capture import FixedTensors
 from vllm_tpu_lora.runner.packed_inputs import PackLayout, pack_arrays, unpack_arrays
 from vllm_tpu_lora.runner.runtime import TorchXLARuntime
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -264,6 +267,9 @@ class ModelRunner:
                     if not fallback or (self.punica is not None
                                         and self.punica.fallback_graph(t_b, s_b))]
         n_fwd = len(forwards)
+        if self.punica is not None and self.punica.fuse_slices and self.punica.backend == "xla":
+            logger.info("LoRA strategy per graph: %s",
+                        self.punica.strategy_table(self.token_ladder, self.slot_ladder))
         bar = tqdm(total=n_fwd + 2 * len(self.request_ladder), desc="Precompiling graphs",
                    unit="graph")
         # The jax runtime traces every graph here and compiles them in background threads
