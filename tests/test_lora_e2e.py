@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from vllm_tpu_lora import LLM, LoRARequest, SamplingParams
+from vllm_tpu_lora.lora import step_layout
 from vllm_tpu_lora.testing.factory import make_peft_adapter
 from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
 
@@ -135,6 +136,16 @@ def test_slot_pressure_evicts_and_reloads(llama_dir, tmp_path_factory):
 def lora_llm(llama_dir):
     return LLM(llama_dir, enable_lora=True, max_loras=2, max_cpu_loras=4, max_lora_rank=16,
                **SMALL_ENGINE)
+
+
+def test_grouped_kernel_graphs_only_on_the_jax_runtime(lora_llm):
+    """lora_backend="auto" lets the TPU table send its largest graphs to the grouped
+    Pallas kernel on the jax runtime only: torch_xla reaches Pallas through a JAX bridge
+    never verified on a TPU, so there the table stays on XLA ops."""
+    engine = lora_llm.llm_engine
+    jax_runtime = engine.stats()["runtime"] == "jax"
+    assert engine.runner.punica.grouped_kernel_from == (
+        step_layout.GROUPED_KERNEL_FROM if jax_runtime else None)
 
 
 def test_remove_lora_frees_slot_and_host_copy(lora_llm, llama_adapters):

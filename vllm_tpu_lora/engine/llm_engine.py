@@ -109,7 +109,9 @@ class LLMEngine:
         self._log_lora_backend(backend, lc)
         punica.slot_vectors = lc.enable_lora_bias or lc.enable_dora
         punica.max_loras, punica.max_rank = lc.max_loras, lc.max_lora_rank
-        if lc.lora_backend == "auto":  # the TPU table's largest graphs: the grouped kernel
+        # The TPU table's largest graphs run the grouped kernel, on the jax runtime only:
+        # torch_xla reaches Pallas through a JAX bridge never verified on a TPU.
+        if lc.lora_backend == "auto" and self.runtime.name == "jax":
             punica.grouped_kernel_from = step_layout.GROUPED_KERNEL_FROM
         layers = wrap_lora_layers(model, punica, lc.max_loras, lc.max_lora_rank, lora_dtype,
                                   lc.target_modules, bias=lc.enable_lora_bias,

@@ -23,10 +23,11 @@ would copy every slot's weights):
     adapters' weights copied out, one product over all of them in token order selected
     by a [T, S] one-hot (no gather of rows, no scatter back); "stacked" (the one-hot over
     every slot as the buffers lie) where S is every slot. They measured faster there than
-    every Pallas composition up to T*S*R = 2^19. With lora_backend="auto", graphs whose
-    T*S*R reaches 2^20 over a one-hot of 2,048+ lanes (from 512 tokens over 128 adapters
-    of rank 16, 256 over 128 of rank 64) run "grouped_kernel", the fused grouped Pallas
-    kernel below over the same buffers: 0.62-0.87x onehot's time there (step_layout).
+    every Pallas composition up to T*S*R = 2^19. With lora_backend="auto" on the jax
+    runtime, graphs whose T*S*R reaches 2^20 over a one-hot of 2,048+ lanes (from 512
+    tokens over 128 adapters of rank 16, 256 over 128 of rank 64) run "grouped_kernel",
+    the fused grouped Pallas kernel below over the same buffers: 0.62-0.87x onehot's time
+    there (step_layout).
   - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64
     tokens, where S is above half of max_loras, "slots": each adapter's tokens in its
     own device slot's rows, one batched matmul per slice over the buffers as they lie
