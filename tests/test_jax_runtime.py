@@ -15,6 +15,7 @@ Nothing compiles after warm-up, counted by the engine and by JAX's own compile e
 """
 
 import contextlib
+import itertools
 import logging
 import sys
 
@@ -376,3 +377,23 @@ def test_bad_runtime_arguments(llama_dir):
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) is larger than the "
                                          r"number of CPU devices \(1\)"):
         LLM(llama_dir, runtime="jax", tensor_parallel_size=2, **SMALL_ENGINE)
+
+
+def test_compiles_past_the_mapping_limit_are_refused_with_the_reason(llama_dir, monkeypatch):
+    """XLA's CPU executables take memory mappings of their own; a warm-up that would cross
+    vm.max_map_count is refused with the limit and the fix named, before LLVM fails and
+    the process dies (a 16-layer model with LoRA did, ~90 graphs in). The process's map
+    count is replaced by one that grows 1,000 a reading (a real one moves with whatever
+    else this test process frees and maps), so that the third compile would cross."""
+    from vllm_tpu_lora.runner import map_budget
+
+    llm = LLM(llama_dir, runtime="jax", precompile=False, **SMALL_ENGINE)
+    assert llm.llm_engine.runner.capture.map_budget is not None  # a CPU device is counted
+    readings = itertools.count(10_000, 1_000)
+    monkeypatch.setattr(map_budget, "count_maps", lambda: next(readings))
+    monkeypatch.setattr(map_budget, "max_map_count", lambda: 14_500 + map_budget.RESERVE)
+    # (Two compile threads may interleave their readings: the counts in the message vary.)
+    with pytest.raises(RuntimeError, match=r"vm.max_map_count = 16548\): the \d graphs "
+                                           r"compiled so far took up to ~\d000 mappings each.*"
+                                           r"sudo sysctl -w vm.max_map_count=262144"):
+        llm.llm_engine.runner.precompile()

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from vllm_tpu_lora import platform
 from vllm_tpu_lora.ops.pallas_kernels import jax_matmul_precision, x64
 from vllm_tpu_lora.runner.lazy_capture import split_args
+from vllm_tpu_lora.runner.map_budget import MapBudget
 from vllm_tpu_lora.torchax_compat import import_torchax
 
 # XLA compilations in this process, from JAX's own compile events (one per executable
@@ -217,6 +218,8 @@ class JaxGraphCapture:
         self._pending: list[_Graph] = []
         self.trace_seconds = 0.0  # tracing and lowering, in the caller's thread
         self.compile_seconds = 0.0  # XLA's compiles, summed over the threads they ran in
+        # XLA's CPU executables count against the process's mapping limit (map_budget).
+        self.map_budget = MapBudget() if runtime.jax_device.platform == "cpu" else None
 
     @contextmanager
     def background_compiles(self, threads: int | None = None):
@@ -307,9 +310,14 @@ class JaxGraphCapture:
         return graph
 
     def _compile(self, lowered):
+        maps = self.map_budget.starting() if self.map_budget is not None else None
         start = time.perf_counter()
-        with x64(True):
-            compiled = lowered.compile()
+        try:
+            with x64(True):
+                compiled = lowered.compile()
+        finally:
+            if self.map_budget is not None:
+                self.map_budget.finished(maps)
         with _lock:
             self.compile_seconds += time.perf_counter() - start
         return compiled
