@@ -195,6 +195,9 @@ def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     punica.max_rank = 64  # the rule reads the buffers' rank
     assert punica.xla_strategy(256, 128) == "grouped_kernel"
     assert punica.xla_strategy(256, 32) == "onehot"
+    punica.max_rank = 128  # one slot a group: not measured, not picked
+    assert punica.xla_strategy(1024, 128) == "stacked"
+    punica.max_rank = 64
     assert punica.strategy_table([256, 512], [0, 1, 2, 32, 128]) == (
         "T256: S1 single, S2-S32 onehot, S128 grouped_kernel; "
         "T512: S1 single, S2 onehot, S32-S128 grouped_kernel")

@@ -3,7 +3,8 @@ the runtime "auto" picks there (the jax runtime on a TPU; torch_xla with
 VLLM_TPU_LORA_TPU_TEST_RUNTIME=torch_xla): the Mosaic-compiled Pallas LoRA kernels
 against the float32 reference, the engine on the ragged-paged-attention kernel against HF, end-to-end multi-LoRA generation
 against PEFT on the real kernels (lora_backend="pallas") and on the xla backend's TPU
-strategies that "auto" picks there (stacked, onehot over sliced reads, single), and no
+strategies that "auto" picks there (stacked, onehot over sliced reads, single, the
+grouped kernel as one graph among them), and no
 compilation after warm-up on the TPU runtime.
 
 Engines run in float32 with matmul precision "highest": TPU's default f32 matmul uses
@@ -182,8 +183,8 @@ def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
 # "auto" on a TPU with 4 slots x rank 16: the xla backend's TPU strategies (step_layout):
 # steps with 3 adapters fill the 4-slot bucket, every slot, and run "stacked"; smaller
 # buckets run "onehot" over sliced reads, or "single". "kernel": "auto" with its grouped
-# kernel threshold lowered so that the 32-token buckets of 2+ adapters run the kernel under
-# Mosaic inside the engine, beside the other graphs.
+# kernel threshold lowered so that the 32-token buckets of 2+ adapters (and the 16-token
+# one of 4) run the kernel under Mosaic inside the engine, beside the other graphs.
 @pytest.mark.parametrize("backend", ["pallas", "auto", "kernel"])
 def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, backend):
     from vllm_tpu_lora.testing.factory import make_peft_adapter

@@ -198,7 +198,7 @@ class PunicaWrapper:
             return None
         if self.force_strategy is not None:
             if not self.a_by_input and self.force_strategy not in ("single", "onehot",
-                                                                    "stacked"):
+                                                                    "stacked", "grouped_kernel"):
                 raise ValueError(f"strategy {self.force_strategy!r} reads A as [N, D, R], "
                                  "which a TPU does not hold")
             return self.force_strategy

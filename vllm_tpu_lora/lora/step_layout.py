@@ -164,15 +164,18 @@ def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
                  on_tpu: bool = False, rank: int = 0,
                  kernel_from: tuple[int, int] | None = GROUPED_KERNEL_FROM) -> str:
     """The xla backend's LoRA strategy for graph (T, S): on a TPU "single" for S = 1, the
-    fused grouped kernel where T*S*R and S*R (R: the buffers' rank) reach `kernel_from`
-    (None: never, XLA ops only), "stacked" where S is every device slot, else "onehot";
+    fused grouped kernel where T*S*R and S*R (R: the buffers' rank, at most 64, its
+    groups of 128 lanes full) reach `kernel_from` (None: never, XLA ops only), "stacked" where S is every device slot, else "onehot";
     elsewhere "slots" where it applies (its steps that do not fit run
     `fallback_strategy`), else the fallback itself."""
     if on_tpu:
         if num_slots == 1:
             return "single"
+        # Measured at ranks 16 and 64, whose slots fill the kernel's 128 lanes in groups;
+        # past 64 a group is one slot of rank width: not measured, not picked. (A
+        # max_loras that 128 / R does not divide gives smaller groups: not measured.)
         if (kernel_from is not None and num_tokens * num_slots * rank >= kernel_from[0]
-                and num_slots * rank >= kernel_from[1]):
+                and num_slots * rank >= kernel_from[1] and 0 < rank <= 64):
             return "grouped_kernel"
         return "stacked" if 0 < max_loras <= num_slots else "onehot"
     if (num_slots >= 2 and 0 < max_loras < 2 * num_slots

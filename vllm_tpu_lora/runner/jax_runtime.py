@@ -37,8 +37,8 @@ from torch.utils import _pytree as pytree
 
 from vllm_tpu_lora import platform
 from vllm_tpu_lora.ops.pallas_kernels import jax_matmul_precision, x64
+from vllm_tpu_lora.runner import map_budget
 from vllm_tpu_lora.runner.lazy_capture import split_args
-from vllm_tpu_lora.runner.map_budget import MapBudget
 from vllm_tpu_lora.torchax_compat import import_torchax
 
 # XLA compilations in this process, from JAX's own compile events (one per executable
@@ -219,7 +219,7 @@ class JaxGraphCapture:
         self.trace_seconds = 0.0  # tracing and lowering, in the caller's thread
         self.compile_seconds = 0.0  # XLA's compiles, summed over the threads they ran in
         # XLA's CPU executables count against the process's mapping limit (map_budget).
-        self.map_budget = MapBudget() if runtime.jax_device.platform == "cpu" else None
+        self.map_budget = map_budget.BUDGET if runtime.jax_device.platform == "cpu" else None
 
     @contextmanager
     def background_compiles(self, threads: int | None = None):
@@ -301,23 +301,24 @@ class JaxGraphCapture:
                 [t._elem for t in tensors], [t._elem for t in state], weight_arrays)
         self.trace_seconds += time.perf_counter() - start
         graph = _Graph(None, weight_arrays, out_spec[0], lowered.out_info[0])
-        self._graphs.append(graph)
         if self._pool is None:
             graph.jitted = self._compile(lowered)
         else:
             graph.jitted = self._pool.submit(self._compile, lowered)
             self._pending.append(graph)
+        self._graphs.append(graph)  # only once it has (or will have) an executable
         return graph
 
     def _compile(self, lowered):
-        maps = self.map_budget.starting() if self.map_budget is not None else None
+        budget = self.map_budget
+        started = budget.starting() if budget is not None else None
         start = time.perf_counter()
         try:
             with x64(True):
                 compiled = lowered.compile()
         finally:
-            if self.map_budget is not None:
-                self.map_budget.finished(maps)
+            if budget is not None:
+                budget.finished(started)
         with _lock:
             self.compile_seconds += time.perf_counter() - start
         return compiled

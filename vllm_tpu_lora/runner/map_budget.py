@@ -40,24 +40,24 @@ class MapBudget:
     """Refuses a compile that would start with fewer mappings left under the limit than
     the compiles running beside it may take (each counted at the most one compile has
     added so far) plus RESERVE. Only running compiles count: the ones queued behind the
-    compile threads have mapped nothing yet."""
+    compile threads have mapped nothing yet. One per process (`BUDGET`): the limit is the
+    process's, whatever engines it holds."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running = 0
-        self._per_graph = 0  # the most mappings one compile added (an overcount when two ran)
+        self._per_graph = 0  # the most mappings one compile added, shared among those beside it
         self._compiled = 0
 
-    def starting(self) -> int | None:
-        """In the compiling thread, before the compile: the mappings now (for `finished`),
-        or RuntimeError if this compile may cross the limit."""
+    def starting(self) -> tuple[int | None, int]:
+        """In the compiling thread, before the compile: what `finished` needs, or
+        RuntimeError if this compile may cross the limit."""
         limit, now = max_map_count(), count_maps()
         with self._lock:
             self._running += 1
             per_graph, running, done = self._per_graph, self._running, self._compiled
-        if limit is None or now is None or not per_graph or (
-                now + per_graph * running <= limit - RESERVE):
-            return now
+        if limit is None or now is None or now + per_graph * running <= limit - RESERVE:
+            return now, running
         with self._lock:
             self._running -= 1
         raise RuntimeError(
@@ -68,11 +68,17 @@ class MapBudget:
             "Raise the limit (sudo sysctl -w vm.max_map_count=262144) or compile fewer "
             "graphs (a smaller max_num_batched_tokens, max_num_seqs or max_loras).")
 
-    def finished(self, before: int | None) -> None:
-        """After the compile (done or failed), with what `starting` returned."""
+    def finished(self, started: tuple[int | None, int]) -> None:
+        """After the compile (done or failed), with what `starting` returned. The growth is
+        split among the compiles that ran beside it, which mapped into the same count."""
+        before, running_then = started
         after = count_maps()
         with self._lock:
+            beside = max(running_then, self._running)
             self._running -= 1
             self._compiled += 1
             if before is not None and after is not None:
-                self._per_graph = max(self._per_graph, after - before)
+                self._per_graph = max(self._per_graph, (after - before) // beside)
+
+
+BUDGET = MapBudget()
