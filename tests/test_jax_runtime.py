@@ -135,10 +135,10 @@ def test_tpu_strategies_and_sliced_reads_match_peft(llama_dir, adapters, caplog)
     """The TPU's LoRA graphs on this runtime, on CPU: its strategy table ("single" for one
     adapter, "onehot" over the step's adapters, "stacked" over every slot where the
     bucket is all of them, the fused grouped kernel (interpreted here) where T*S*R is
-    large: its threshold lowered so that the 32-token bucket of 3-4 adapters reaches it) and its reads of the
-    step's slots as dynamic slices (ops.take_slots), against PEFT, through fewer slots
-    than adapters, graphs of every kind in one engine; the table logged at precompile;
-    then a padded batch of slot writes (ops.put_slots) read back."""
+    large: its threshold lowered so that the 32-token bucket of 3-4 adapters reaches it)
+    and its reads of the step's slots as dynamic slices (ops.take_slots), against PEFT,
+    through fewer slots than adapters, graphs of every kind in one engine; the table
+    logged at precompile; then a padded batch of slot writes (ops.put_slots) read back."""
     llm = LLM(llama_dir, runtime="jax", precompile=False, **{**LORA_ENGINE, "max_loras": 4})
     engine = llm.llm_engine
     punica = engine.runner.punica

@@ -169,8 +169,7 @@ def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     there a graph with 2+ adapters runs onehot over its adapters, or stacked where its
     bucket is every slot ("single" for one), and the fused grouped kernel only where
     T*S*R reaches the measured 2^20 over 2,048+ lanes (S*R; with "auto", an explicit "xla"
-    never); an explicit
-    backend stands."""
+    never); an explicit backend stands."""
     from vllm_tpu_lora.lora import punica as punica_mod
 
     for tpu in (False, True):

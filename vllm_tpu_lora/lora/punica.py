@@ -165,13 +165,13 @@ class PunicaWrapper:
         return arrays  # one-hot, Pallas (its SegmentLayout carries idx), tensor parallel
 
     def strategy_table(self, token_ladder: list[int], slot_ladder: list[int]) -> str:
-        """What each LoRA graph (T, S) runs, for the log: "T16: S1 single, S2-S8 onehot,
-        S16 stacked; ..." (runs of equal strategies merged)."""
+        """What each LoRA graph (T, S) of the xla backend runs, for the log: "T16: S1
+        single, S2-S8 onehot, S16 stacked; ..." (runs of equal strategies merged)."""
         rows = []
         for t in token_ladder:
             runs: list[list] = []  # [first S, last S, strategy]
             for s in (s for s in slot_ladder if s > 0):
-                kind = self.xla_strategy(t, s) or self.backend
+                kind = self.xla_strategy(t, s)
                 if runs and runs[-1][2] == kind:
                     runs[-1][1] = s
                 else:

@@ -165,9 +165,9 @@ def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
                  kernel_from: tuple[int, int] | None = GROUPED_KERNEL_FROM) -> str:
     """The xla backend's LoRA strategy for graph (T, S): on a TPU "single" for S = 1, the
     fused grouped kernel where T*S*R and S*R (R: the buffers' rank, at most 64, its
-    groups of 128 lanes full) reach `kernel_from` (None: never, XLA ops only), "stacked" where S is every device slot, else "onehot";
-    elsewhere "slots" where it applies (its steps that do not fit run
-    `fallback_strategy`), else the fallback itself."""
+    groups of 128 lanes full) reach `kernel_from` (None: never, XLA ops only), "stacked"
+    where S is every device slot, else "onehot"; elsewhere "slots" where it applies (its
+    steps that do not fit run `fallback_strategy`), else the fallback itself."""
     if on_tpu:
         if num_slots == 1:
             return "single"
