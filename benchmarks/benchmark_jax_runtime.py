@@ -96,27 +96,40 @@ def make_model(args, out_dir: str) -> str:
 class StepClock:
     """Wall time of each engine step that launched a decode of the full batch, and the
     time the host waited for the device in it (all of the device time when every graph
-    is waited for: serialize_graphs)."""
+    is waited for: serialize_graphs). Every step's wall and device ms are also summed per
+    forward graph ("T<tokens>/S<slots>/W<window>/<strategy>"): where a run's time went,
+    to set base and LoRA runs side by side by token bucket."""
 
     def __init__(self, engine, batch: int) -> None:
         self.engine, self.batch = engine, batch
         self.decode_ms, self.device_ms = [], []
+        self.by_graph: dict[str, list[float]] = {}  # key -> [steps, wall ms, device ms]
         runner, step, rt = engine.runner, engine.step, engine.runtime
         launch = runner.launch
-        self.full_decode = False
+        self.full_decode, self.graph = False, None
 
         def timed_launch(scheduled, want_top):
             self.full_decode = (len(scheduled) == batch
                                 and all(s.num_tokens == 1 for s in scheduled))
-            return launch(scheduled, want_top)
+            before = dict(runner.forward_graph_steps)
+            launched = launch(scheduled, want_top)
+            self.graph = next((k for k, n in runner.forward_graph_steps.items()
+                               if n != before.get(k, 0)), None)
+            return launched
 
         def timed_step():
-            self.full_decode = False
+            self.full_decode, self.graph = False, None
             waited0, t0 = rt.execution_stats()[1], time.perf_counter()
             out = step()
+            wall, device = 1e3 * (time.perf_counter() - t0), (rt.execution_stats()[1] - waited0) / 1e6
             if self.full_decode:
-                self.decode_ms.append(1e3 * (time.perf_counter() - t0))
-                self.device_ms.append((rt.execution_stats()[1] - waited0) / 1e6)
+                self.decode_ms.append(wall)
+                self.device_ms.append(device)
+            if self.graph is not None:
+                acc = self.by_graph.setdefault(self.graph, [0, 0.0, 0.0])
+                acc[0] += 1
+                acc[1] += wall
+                acc[2] += device
             return out
 
         runner.launch, engine.step = timed_launch, timed_step
@@ -127,6 +140,12 @@ class StepClock:
     def median(self, which: str) -> float | None:
         values = getattr(self, which)
         return statistics.median(values) if values else None
+
+    def graphs(self) -> dict:
+        """Per forward graph: steps, total wall ms and total device ms (the device ms
+        count only what the host waited for: all of it in a serialized run)."""
+        return {k: {"steps": n, "wall_ms": round(w, 3), "device_ms": round(d, 3)}
+                for k, (n, w, d) in sorted(self.by_graph.items())}
 
 
 def serving_row(llm, work, loras, batch: int) -> dict:
@@ -145,7 +164,8 @@ def serving_row(llm, work, loras, batch: int) -> dict:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"async_scheduling": llm.llm_engine.async_scheduling,
             "output_tokens_per_s": n_out / elapsed, "elapsed_s": elapsed,
-            "full_decode_steps": len(clock.decode_ms), "decode_step_ms": clock.median("decode_ms")}
+            "full_decode_steps": len(clock.decode_ms), "decode_step_ms": clock.median("decode_ms"),
+            "by_graph": clock.graphs()}
 
 
 def serialized_row(llm, work, loras, batch: int) -> dict:
@@ -159,7 +179,7 @@ def serialized_row(llm, work, loras, batch: int) -> dict:
     return {**{k: ser[k] for k in ("output_tokens_per_s", "ms_per_step", "device_ms_per_step",
                                    "host_ms_per_step", "steps")},
             "decode_step_ms": clock.median("decode_ms"),
-            "decode_device_ms": clock.median("device_ms")}
+            "decode_device_ms": clock.median("device_ms"), "by_graph": clock.graphs()}
 
 
 def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out) -> list[dict]:
@@ -216,7 +236,9 @@ def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out)
         base = rows[0][mode]["output_tokens_per_s"]
         for row in rows[1:]:
             emit({"row": "lora_vs_base", "runtime": runtime, "adapters": row["adapters"],
-                  "mode": mode, "throughput_ratio": row[mode]["output_tokens_per_s"] / base}, out)
+                  "mode": mode, "throughput_ratio": row[mode]["output_tokens_per_s"] / base,
+                  "by_tokens": by_tokens(rows[0][mode]["by_graph"], row[mode]["by_graph"])},
+                 out)
     decode = rows[0]["serving_async"]["decode_step_ms"]
     if anchor["ms"] and decode:
         emit({"row": "decode_vs_anchor", "runtime": runtime, "engine_decode_step_ms": decode,
@@ -224,6 +246,19 @@ def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out)
               "anchor_pipelined_ms": anchor["pipelined_ms"],
               "ratio_pipelined": decode / anchor["pipelined_ms"]}, out)
     return rows
+
+
+def by_tokens(base: dict, lora: dict) -> dict:
+    """Base and LoRA runs' steps and wall ms per token bucket, side by side: which steps
+    the LoRA run's extra time went to (full decode, prefill chunks, the tail)."""
+    out = {}
+    for side, graphs in (("base", base), ("lora", lora)):
+        for key, g in graphs.items():
+            acc = out.setdefault(key.split("/")[0], {"base_steps": 0, "base_wall_ms": 0.0,
+                                                     "lora_steps": 0, "lora_wall_ms": 0.0})
+            acc[f"{side}_steps"] += g["steps"]
+            acc[f"{side}_wall_ms"] += g["wall_ms"]
+    return out
 
 
 def anchor_rows(llm, work, args) -> list[dict]:
