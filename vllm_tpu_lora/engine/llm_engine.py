@@ -236,6 +236,11 @@ class LLMEngine:
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         # Validates the files (not the tensor data); the host copy is read in the background.
+        # Requests between two steps share one check of a cached adapter's files, and an
+        # idle engine checks again: files replaced on disk are seen by the next request
+        # once a step has run or the engine was idle.
+        if not self._requests:
+            self.lora_manager.registry.new_round()
         self.lora_manager.register(lora_request)
 
     # ---- adapters (vLLM's LLMEngine names) ----
@@ -308,6 +313,8 @@ class LLMEngine:
     # ---- the loop ----
 
     def step(self) -> list[RequestOutput]:
+        if self.lora_manager is not None:
+            self.lora_manager.registry.new_round()
         failed = self._advance_lora_loads() if self.lora_manager is not None else []
         if (self.lora_manager is not None and self.scheduler.waiting and not self.scheduler.running
                 and self._in_flight is None):

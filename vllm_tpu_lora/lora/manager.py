@@ -162,8 +162,9 @@ class LoRAManager:
         return self.registry.load_now(request)
 
     def register(self, request: LoRARequest) -> None:
-        """A request names this adapter: validate its files (no tensor data read)."""
-        self.registry.register(request)
+        """A request names this adapter: validate its files (no tensor data read); a cached
+        adapter's files are checked once per registry round."""
+        self.registry.register(request, once_per_round=True)
 
     def load_inplace(self, request: LoRARequest) -> None:
         self.registry.replace(request)
