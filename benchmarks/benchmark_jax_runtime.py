@@ -103,6 +103,7 @@ class StepClock:
     def __init__(self, engine, batch: int) -> None:
         self.engine, self.batch = engine, batch
         self.decode_ms, self.device_ms = [], []
+        self.all_steps_ms = 0.0  # every step's wall time, launching or not
         self.by_graph: dict[str, list[float]] = {}  # key -> [steps, wall ms, device ms]
         runner, step, rt = engine.runner, engine.step, engine.runtime
         launch = runner.launch
@@ -122,6 +123,7 @@ class StepClock:
             waited0, t0 = rt.execution_stats()[1], time.perf_counter()
             out = step()
             wall, device = 1e3 * (time.perf_counter() - t0), (rt.execution_stats()[1] - waited0) / 1e6
+            self.all_steps_ms += wall
             if self.full_decode:
                 self.decode_ms.append(wall)
                 self.device_ms.append(device)
@@ -165,7 +167,8 @@ def serving_row(llm, work, loras, batch: int) -> dict:
     return {"async_scheduling": llm.llm_engine.async_scheduling,
             "output_tokens_per_s": n_out / elapsed, "elapsed_s": elapsed,
             "full_decode_steps": len(clock.decode_ms), "decode_step_ms": clock.median("decode_ms"),
-            "by_graph": clock.graphs()}
+            # adding the requests, and the loop around the steps
+            "outside_steps_ms": 1e3 * elapsed - clock.all_steps_ms, "by_graph": clock.graphs()}
 
 
 def serialized_row(llm, work, loras, batch: int) -> dict:
