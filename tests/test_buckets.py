@@ -57,3 +57,20 @@ def test_query_blocks_hold_any_step_of_their_bucket():
             worst = max((t - k) // q + k for k in range(1, min(seqs, t) + 1))
             assert worst <= nqb, (t, seqs, nqb, q)
         assert shapes == sorted(shapes)
+
+
+@pytest.mark.parametrize("max_tokens,max_seqs,max_loras,skipped",
+                         [(64, 32, 128, 7), (256, 8, 32, 10), (32, 8, 8, 0)])
+def test_warm_up_skips_exactly_the_slot_buckets_no_step_reaches(max_tokens, max_seqs, max_loras,
+                                                                skipped):
+    """Every step (sequences <= tokens, adapters <= sequences and max_loras) lands on a
+    (token, slot) bucket pair that warm-up compiles, and every pair it skips is one that
+    no step lands on."""
+    t_ladder, s_ladder = buckets.token_buckets(max_tokens), buckets.slot_buckets(max_loras)
+    reached = {(buckets.pick(t_ladder, tokens), buckets.pick(s_ladder, adapters))
+               for seqs in range(1, max_seqs + 1) for tokens in range(seqs, max_tokens + 1)
+               for adapters in range(0, min(seqs, max_loras) + 1)}
+    compiled = {(t, s) for t in t_ladder for s in s_ladder
+                if buckets.slots_reachable(t, s, s_ladder, max_seqs)}
+    assert reached == compiled
+    assert len(t_ladder) * len(s_ladder) - len(compiled) == skipped

@@ -197,6 +197,9 @@ def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     punica.max_rank = 128  # one slot a group: not measured, not picked
     assert punica.xla_strategy(1024, 128) == "stacked"
     punica.max_rank = 64
-    assert punica.strategy_table([256, 512], [0, 1, 2, 32, 128]) == (
+    assert punica.strategy_table([256, 512], [0, 1, 2, 32, 128], max_num_seqs=256) == (
         "T256: S1 single, S2-S32 onehot, S128 grouped_kernel; "
         "T512: S1 single, S2 onehot, S32-S128 grouped_kernel")
+    # 32 sequences never bring more than 32 adapters: no 128-slot graph is compiled or listed
+    assert punica.strategy_table([256, 512], [0, 1, 2, 32, 128], max_num_seqs=32) == (
+        "T256: S1 single, S2-S32 onehot; T512: S1 single, S2 onehot, S32 grouped_kernel")

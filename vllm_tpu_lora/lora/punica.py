@@ -164,13 +164,16 @@ class PunicaWrapper:
             arrays.update(step_layout.segment_layout(token_pos, active_slots, num_slots, block))
         return arrays  # one-hot, Pallas (its SegmentLayout carries idx), tensor parallel
 
-    def strategy_table(self, token_ladder: list[int], slot_ladder: list[int]) -> str:
+    def strategy_table(self, token_ladder: list[int], slot_ladder: list[int],
+                       max_num_seqs: int) -> str:
         """What each LoRA graph (T, S) of the xla backend runs, for the log: "T16: S1
-        single, S2-S8 onehot, S16 stacked; ..." (runs of equal strategies merged)."""
+        single, S2-S8 onehot, S16 stacked; ..." (runs of equal strategies merged; only
+        the graphs warm-up compiles)."""
         rows = []
         for t in token_ladder:
             runs: list[list] = []  # [first S, last S, strategy]
-            for s in (s for s in slot_ladder if s > 0):
+            for s in (s for s in slot_ladder if s > 0
+                      and buckets.slots_reachable(t, s, slot_ladder, max_num_seqs)):
                 kind = self.xla_strategy(t, s)
                 if runs and runs[-1][2] == kind:
                     runs[-1][1] = s

@@ -49,6 +49,15 @@ def kv_block_buckets(max_blocks: int, block_size: int, ragged_kernel: bool = Fal
     return pow2_ladder(min(max(1, KV_MIN_WINDOW // block_size), max_blocks), max_blocks)
 
 
+def slots_reachable(t_b: int, s_b: int, slot_ladder: list[int], max_num_seqs: int) -> bool:
+    """Whether a step of token bucket t_b can run slot bucket s_b. A step's adapters are
+    at most its sequences, which are at most its tokens and max_num_seqs, so a slot
+    bucket above the one that many adapters pick never runs with t_b: warm-up skips its
+    graph (with max_loras 128 and 32 sequences, the 64- and 128-slot graphs of every
+    token bucket)."""
+    return s_b <= pick(slot_ladder, min(t_b, max_num_seqs, slot_ladder[-1]))
+
+
 def pick(ladder: list[int], n: int) -> int:
     """The smallest bucket >= n."""
     for b in ladder:

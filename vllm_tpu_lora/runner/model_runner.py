@@ -262,14 +262,16 @@ class ModelRunner:
         # A bucket whose LoRA strategy has a fallback graph (steps it does not fit) is
         # traced twice.
         forwards = [(t_b, s_b, w_b, fallback) for t_b in self.token_ladder
-                    for s_b in self.slot_ladder for w_b in self.window_ladder
-                    for fallback in (False, True)
+                    for s_b in self.slot_ladder
+                    if buckets.slots_reachable(t_b, s_b, self.slot_ladder, self.max_num_seqs)
+                    for w_b in self.window_ladder for fallback in (False, True)
                     if not fallback or (self.punica is not None
                                         and self.punica.fallback_graph(t_b, s_b))]
         n_fwd = len(forwards)
         if self.punica is not None and self.punica.fuse_slices and self.punica.backend == "xla":
             logger.info("LoRA strategy per graph: %s",
-                        self.punica.strategy_table(self.token_ladder, self.slot_ladder))
+                        self.punica.strategy_table(self.token_ladder, self.slot_ladder,
+                                                   self.max_num_seqs))
         bar = tqdm(total=n_fwd + 2 * len(self.request_ladder), desc="Precompiling graphs",
                    unit="graph")
         # The jax runtime traces every graph here and compiles them in background threads
