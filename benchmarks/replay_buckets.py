@@ -55,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> list[dict]:
     from vllm_tpu_lora import LLM, platform
     from vllm_tpu_lora.lora import step_layout
+    from vllm_tpu_lora.runner import buckets
 
     args = parse_args(argv)
     rows = []
@@ -70,7 +71,10 @@ def main(argv=None) -> list[dict]:
         for slot in range(manager.max_loras):
             manager.write_slot(slot, warm)
         s_b = runner.slot_ladder[-1]
-        for t_b in [t for t in args.tokens if t in runner.token_ladder]:
+        # Only the token buckets whose steps can bring every slot's adapter (warm-up
+        # compiles no other graph at S = max_loras; see buckets.slots_reachable).
+        for t_b in [t for t in args.tokens if t in runner.token_ladder and buckets.slots_reachable(
+                t, s_b, runner.slot_ladder, runner.max_num_seqs)]:
             graphs = {"base": (0, False, False)}
             orders = ([False, True] if args.token_order == "both"
                       else [args.token_order == "sorted"])
