@@ -17,7 +17,7 @@ from vllm_tpu_lora import LoRARequest
 from vllm_tpu_lora.lora import manager as manager_module
 from vllm_tpu_lora.lora.layers import wrap_lora_layers
 from vllm_tpu_lora.lora.manager import LoRAManager
-from vllm_tpu_lora.lora.peft_loader import read_adapter_bytes
+from vllm_tpu_lora.lora.peft_loader import adapter_fingerprint, read_adapter_bytes
 from vllm_tpu_lora.lora.punica import PunicaWrapper
 from vllm_tpu_lora.models.loader import load_model
 from vllm_tpu_lora.testing.factory import make_peft_adapter
@@ -133,3 +133,24 @@ def test_non_finite_values_are_named_on_the_plan_path(llama_dir, tmp_path, whole
                                          r"model\.layers\.1\.mlp\.down_proj contains NaN"):
         m._load_host(LoRARequest("bad", 2, bad))
     assert whole_way_calls == ["good", "bad"]
+
+
+def test_read_adapter_bytes_fingerprints_the_files_it_read(llama_dir, tmp_path):
+    """The bytes come with the fingerprint a later stat-based check computes (else every
+    cached adapter would look changed on disk at its next check), and the data asked for
+    is the file's own tail; a rewritten file gets a new fingerprint."""
+    path = make_peft_adapter(llama_dir, str(tmp_path / "a"), r=8, init_std=0.05)
+    files = read_adapter_bytes(path, lambda digest: True)
+    assert files.fingerprint == adapter_fingerprint(path)
+    with open(os.path.join(path, "adapter_model.safetensors"), "rb") as f:
+        raw = f.read()
+    assert bytes(files.data) == raw[8 + len(files.header):]
+    assert read_adapter_bytes(path).data is None
+    weights = os.path.join(path, "adapter_model.safetensors")
+    with open(weights, "wb") as f:  # the same bytes written again, a second later
+        f.write(raw)
+    mtime = os.stat(weights).st_mtime_ns + 10**9
+    os.utime(weights, ns=(mtime, mtime))
+    again = read_adapter_bytes(path)
+    assert again.digest == files.digest and again.fingerprint != files.fingerprint
+    assert again.fingerprint == adapter_fingerprint(path)

@@ -243,24 +243,29 @@ class LoRAManager:
             self._model_targets = model_targets(self.model, self.target_modules)
         return self._model_targets
 
-    def _validate(self, request: LoRARequest) -> None:
+    def _validate(self, request: LoRARequest) -> tuple | None:
         """Header-only validation when a request names an adapter (engine thread). Its
         outcome depends only on the files' config and header and this engine's settings,
         so a digest of the two that passed before passes again without the ~0.5-1 ms of
-        parsing: the cost of naming the 1,000th adapter of one recipe is two small reads."""
-        digest = header_digest(request.lora_path)
-        if digest is not None and digest in self._valid_headers:
-            self._valid_headers.move_to_end(digest)
-            return
+        parsing: the cost of naming the 1,000th adapter of one recipe is two small reads.
+        Returns the fingerprint of the files as read (None: not read that way, e.g. a
+        .bin adapter; the caller takes adapter_fingerprint)."""
+        files = read_adapter_bytes(request.lora_path)
+        if files is not None and files.digest in self._valid_headers:
+            self._valid_headers.move_to_end(files.digest)
+            return files.fingerprint
         load_peft_adapter(request, self.model, max_lora_rank=self.max_rank, dtype=torch.float32,
                           target_modules=self.target_modules, header_only=True,
                           allow_bias=self.allow_bias, allow_dora=self.allow_dora,
                           targets=self._targets())
-        # Only if the files did not change while they were validated.
-        if digest is not None and digest == header_digest(request.lora_path):
-            self._valid_headers[digest] = None
+        if files is None:
+            return None
+        # Remembered only if the files did not change while they were validated.
+        if files.digest == header_digest(request.lora_path):
+            self._valid_headers[files.digest] = None
             if len(self._valid_headers) > _VALID_HEADERS_KEPT:
                 self._valid_headers.popitem(last=False)
+        return files.fingerprint
 
     def _load_host(self, request: LoRARequest) -> HostAdapter:
         """Read, validate and lay out an adapter (loader thread, or the engine thread for

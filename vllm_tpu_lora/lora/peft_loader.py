@@ -181,23 +181,34 @@ class AdapterBytes(NamedTuple):
     digest: bytes
     header: bytes  # the safetensors JSON header
     data: bytearray | None  # the tensor data that follows it (None: not wanted)
+    fingerprint: tuple  # adapter_fingerprint of the files these bytes came from
 
 
 def read_adapter_bytes(path: str, want_data: Callable[[bytes], bool] = lambda digest: False
                        ) -> AdapterBytes | None:
     """Both files of a safetensors adapter, each read once, the tensor data only if
-    `want_data(digest)`; None as for header_digest."""
+    `want_data(digest)`; None as for header_digest. Raw descriptors and positioned
+    reads: 9 syscalls for both files where buffered `open()` took 19 with the
+    fingerprint's stats (on the TPU VM a file syscall costs ~15-27 us, not ~1), and the
+    fingerprint comes from the very descriptors the bytes were read through."""
+    weights = os.path.join(path, ADAPTER_SAFETENSORS)
     try:
-        with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
-            config = f.read()
-        with open(os.path.join(path, ADAPTER_SAFETENSORS), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
+        fd = os.open(os.path.join(path, ADAPTER_CONFIG), os.O_RDONLY)
+        try:
+            config_stat = os.fstat(fd)
+            config = os.pread(fd, config_stat.st_size, 0)
+        finally:
+            os.close(fd)
+        fd = os.open(weights, os.O_RDONLY)
+        try:
+            stat = os.fstat(fd)
+            size = stat.st_size
+            head = os.pread(fd, 8, 0)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             # A header longer than safetensors' own 100 MB limit: let validation say so.
-            if not 0 <= n <= min(size - 8, 100_000_000):
+            if len(config) != config_stat.st_size or not 0 <= n <= min(size - 8, 100_000_000):
                 return None
-            header = f.read(n)
+            header = os.pread(fd, n, 8)
             if len(header) != n:
                 return None
             digest = hashlib.blake2b(b"%d %d\0" % (size, len(config)) + config + header,
@@ -205,11 +216,15 @@ def read_adapter_bytes(path: str, want_data: Callable[[bytes], bool] = lambda di
             data = None
             if want_data(digest):
                 data = bytearray(size - 8 - n)
-                if f.readinto(data) != len(data):
+                if os.preadv(fd, [data], 8 + n) != len(data):
                     return None
+        finally:
+            os.close(fd)
     except OSError:
         return None
-    return AdapterBytes(digest, header, data)
+    fingerprint = tuple((weights, s.st_ino, s.st_size, s.st_mtime_ns)
+                        for s in (config_stat, stat))
+    return AdapterBytes(digest, header, data, fingerprint)
 
 
 class PlainSlice(NamedTuple):

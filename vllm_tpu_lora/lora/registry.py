@@ -71,10 +71,11 @@ class AdapterEntry:
 
 
 class AdapterRegistry:
-    def __init__(self, *, max_cpu_loras: int, validate: Callable[[LoRARequest], None],
+    def __init__(self, *, max_cpu_loras: int, validate: Callable[[LoRARequest], tuple | None],
                  load: Callable[[LoRARequest], Any],
                  on_weights_changed: Callable[[int], None], max_loads_in_flight: int) -> None:
-        """validate(request) raises ValueError for a bad adapter without reading tensor data;
+        """validate(request) raises ValueError for a bad adapter without reading tensor data,
+        and returns the fingerprint of the files it read (None: take adapter_fingerprint);
         load(request) returns the host copy (runs in the loader thread: must not touch
         engine state); on_weights_changed(lora_id) frees the adapter's device slot;
         max_loads_in_flight: reads queued at once (the manager passes max_loras, the most
@@ -110,8 +111,7 @@ class AdapterRegistry:
         checked again (requests; add_lora checks every time)."""
         entry = self.entries.get(request.lora_int_id)
         if entry is None:
-            fingerprint = adapter_fingerprint(request.lora_path)
-            self._validate(request)
+            fingerprint = self._validate(request) or adapter_fingerprint(request.lora_path)
             entry = self.entries[request.lora_int_id] = AdapterEntry(request, fingerprint)
             entry.checked_round = self._round
             return entry
