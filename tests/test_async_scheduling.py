@@ -47,6 +47,13 @@ def llm(llama_dir, servers):
     return LLM(llama_dir, **ENGINE)
 
 
+@pytest.fixture(scope="module")
+def llm_jax(llama_dir):
+    """The same engine on the jax runtime: its launches and on-device token hand-off are
+    the other runtime's implementation of the same mode."""
+    return LLM(llama_dir, runtime="jax", **ENGINE)
+
+
 def _jobs(llm, adapters):
     """(request id, prompt ids, params, adapter, abort after k tokens or None)."""
     rng = np.random.default_rng(7)
@@ -108,8 +115,11 @@ def _run(engine, jobs, async_scheduling: bool) -> tuple[dict, set]:
     return last, aborted
 
 
-def test_async_scheduling_changes_no_output(llm, adapters):
+@pytest.mark.parametrize("engine_fixture", ["llm", "llm_jax"])
+def test_async_scheduling_changes_no_output(engine_fixture, adapters, request):
+    llm = request.getfixturevalue(engine_fixture)
     engine = llm.llm_engine
+    assert engine.stats()["runtime"] == ("jax" if engine_fixture == "llm_jax" else "torch_xla")
     jobs = _jobs(llm, adapters)
     preempted0 = engine.stats()["num_preemptions"]
     sync, sync_aborted = _run(engine, jobs, async_scheduling=False)
