@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -152,17 +153,28 @@ def _weights_file(path: str) -> str | None:
     return next((f for f in (st_path, bin_path) if os.path.isfile(f)), None)
 
 
+def _fingerprint(weights: str, config_stat: os.stat_result, weights_stat: os.stat_result
+                 ) -> tuple:
+    return tuple((weights, s.st_ino, s.st_size, s.st_mtime_ns) for s in (config_stat, weights_stat))
+
+
 def adapter_fingerprint(path: str) -> tuple | None:
     """What identifies the adapter files' current content without reading them: (inode,
-    size, mtime) of the config and the weights file; None if either is gone."""
-    weights = _weights_file(path)
-    if weights is None:
-        return None
-    try:
-        stats = [os.stat(f) for f in (os.path.join(path, ADAPTER_CONFIG), weights)]
-    except OSError:
-        return None
-    return tuple((weights, s.st_ino, s.st_size, s.st_mtime_ns) for s in stats)
+    size, mtime) of the config and the weights file (safetensors, else .bin); None if
+    either is gone. Two stats: each file's is taken once (syscalls are dear on the TPU
+    VM's disk; read_adapter_bytes takes the same fingerprint from its descriptors)."""
+    for weights in (os.path.join(path, ADAPTER_SAFETENSORS), os.path.join(path, ADAPTER_BIN)):
+        try:
+            weights_stat = os.stat(weights)
+        except OSError:
+            continue
+        if not stat.S_ISREG(weights_stat.st_mode):  # as os.path.isfile
+            continue
+        try:
+            return _fingerprint(weights, os.stat(os.path.join(path, ADAPTER_CONFIG)), weights_stat)
+        except OSError:
+            return None
+    return None
 
 
 def header_digest(path: str) -> bytes | None:
@@ -201,8 +213,8 @@ def read_adapter_bytes(path: str, want_data: Callable[[bytes], bool] = lambda di
             os.close(fd)
         fd = os.open(weights, os.O_RDONLY)
         try:
-            stat = os.fstat(fd)
-            size = stat.st_size
+            weights_stat = os.fstat(fd)
+            size = weights_stat.st_size
             head = os.pread(fd, 8, 0)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             # A header longer than safetensors' own 100 MB limit: let validation say so.
@@ -222,9 +234,7 @@ def read_adapter_bytes(path: str, want_data: Callable[[bytes], bool] = lambda di
             os.close(fd)
     except OSError:
         return None
-    fingerprint = tuple((weights, s.st_ino, s.st_size, s.st_mtime_ns)
-                        for s in (config_stat, stat))
-    return AdapterBytes(digest, header, data, fingerprint)
+    return AdapterBytes(digest, header, data, _fingerprint(weights, config_stat, weights_stat))
 
 
 class PlainSlice(NamedTuple):
