@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -54,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--num-adapters", type=int, nargs="+", default=[8, 32])
     p.add_argument("--lora-backend", default="auto")
+    p.add_argument("--force-strategy", default=None,
+                   help="every LoRA graph runs this xla strategy (onehot, stacked, ...) "
+                   "instead of the table's pick: the table's choice side by side with another")
     default_runtimes = ["jax"] + (["torch_xla"] if platform.torch_xla_available() else [])
     p.add_argument("--runtimes", nargs="+", default=default_runtimes)
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
@@ -66,7 +70,10 @@ def parse_args() -> argparse.Namespace:
                    help="the anchor's LoRA variants per adapter count (jax_anchor.py; "
                    "none: base only)")
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
+    p.add_argument("--log-level", default="WARNING",
+                   help="the engine's logging (DEBUG: each warm-up compile's start and end)")
     args = apply_small(p.parse_args())
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
     if args.small:
         args.num_adapters, args.rank, args.anchor_calls = [2], 8, 5
     return args
@@ -197,12 +204,17 @@ def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out)
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
               enable_lora=True, max_loras=max(args.num_adapters), max_lora_rank=args.rank,
               lora_backend=args.lora_backend, enable_prefix_caching=False,
-              kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30))
+              kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30),
+              precompile=args.force_strategy is None)
     engine = llm.llm_engine
+    if args.force_strategy is not None:  # set before warm-up traces the graphs
+        engine.runner.punica.force_strategy = args.force_strategy
+        engine.runner.precompile()
     stats = engine.stats()
     emit({"row": "engine", "runtime": runtime, "startup_s": time.perf_counter() - t0,
           "num_graphs": stats["num_graphs"], "warmup_s": stats["warmup_seconds"],
           "device": stats["device"], "lora_backend": engine.runner.punica.backend,
+          "force_strategy": args.force_strategy,
           # tracing in the engine's thread; compiles summed over the threads they ran in
           "trace_s": getattr(engine.runner.capture, "trace_seconds", None),
           "compile_s": getattr(engine.runner.capture, "compile_seconds", None)}, out)

@@ -8,7 +8,8 @@
 # The wheels the machine lacks (torchax, peft, accelerate, psutil) travel in .whl-tpu/
 # (the device tool's `carry`); TESTS_ARGS / BENCH_S / LAYER_S narrow or bound a step.
 set -u
-export PIP_CONFIG_FILE=/dev/null PYTHONUNBUFFERED=1
+# PYTHONFAULTHANDLER: a process that dies of a signal prints every thread's Python stack.
+export PIP_CONFIG_FILE=/dev/null PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 if [ ! -d /tmp/site/torch ]; then
   t0=$(date +%s)
   python3 -m pip install --isolated -q --only-binary=:all: --index-url file:///opt/pypi/simple \

@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
                    help="one engine per value, each profiled without and with LoRA")
     p.add_argument("--steps", type=int, default=5, help="decode steps per traced window")
     p.add_argument("--lora-backend", default="auto")
+    p.add_argument("--force-strategy", default=None,
+                   help="every LoRA graph runs this xla strategy instead of the table's pick")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
     p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked", "gathered"],
@@ -230,8 +232,10 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
               enable_prefix_caching=False, precompile=False, async_scheduling=False,
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30))
     engine = llm.llm_engine
+    engine.runner.punica.force_strategy = args.force_strategy  # traced lazily, below
     emit({"row": "engine", "max_loras": max_loras, "startup_s": time.perf_counter() - t0,
-          "lora_backend": engine.runner.punica.backend}, args.out)
+          "lora_backend": engine.runner.punica.backend,
+          "force_strategy": args.force_strategy}, args.out)
     reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
     for r in reqs:
         engine.add_lora(r)

@@ -21,6 +21,7 @@ Pallas bridge in the same process) keep JAX's defaults.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -40,6 +41,8 @@ from vllm_tpu_lora.ops.pallas_kernels import jax_matmul_precision, x64
 from vllm_tpu_lora.runner import map_budget
 from vllm_tpu_lora.runner.lazy_capture import split_args
 from vllm_tpu_lora.torchax_compat import import_torchax
+
+logger = logging.getLogger(__name__)
 
 # XLA compilations in this process, from JAX's own compile events (one per executable
 # built, whether by a captured graph, an eager op or a transfer helper).
@@ -302,16 +305,20 @@ class JaxGraphCapture:
         self.trace_seconds += time.perf_counter() - start
         graph = _Graph(None, weight_arrays, out_spec[0], lowered.out_info[0])
         if self._pool is None:
-            graph.jitted = self._compile(lowered)
+            graph.jitted = self._compile(lowered, pure.__name__)
         else:
-            graph.jitted = self._pool.submit(self._compile, lowered)
+            graph.jitted = self._pool.submit(self._compile, lowered, pure.__name__)
             self._pending.append(graph)
         self._graphs.append(graph)  # only once it has (or will have) an executable
         return graph
 
-    def _compile(self, lowered):
+    def _compile(self, lowered, name: str):
         budget = self.map_budget
         started = budget.starting() if budget is not None else None
+        # Each compile's start and end with the process's memory (DEBUG): a process that
+        # dies inside a compile thread (a SIGSEGV at the end of a 128-slot warm-up on the
+        # v5e) names the graphs that were in flight and how big it had grown.
+        logger.debug("compile of %s started (rss %d MB)", name, _rss_mb())
         start = time.perf_counter()
         try:
             with x64(True):
@@ -319,8 +326,10 @@ class JaxGraphCapture:
         finally:
             if budget is not None:
                 budget.finished(started)
+        elapsed = time.perf_counter() - start
+        logger.debug("compile of %s done in %.1f s (rss %d MB)", name, elapsed, _rss_mb())
         with _lock:
-            self.compile_seconds += time.perf_counter() - start
+            self.compile_seconds += elapsed
         return compiled
 
     @property
@@ -335,6 +344,15 @@ class JaxGraphCapture:
             outs = [jax.device_put(np.zeros(o.shape, o.dtype), self.rt.placement)
                     for o in graph.out_info]
         return pytree.tree_unflatten([self.rt.wrap(o) for o in outs], graph.out_spec)
+
+
+def _rss_mb() -> int:
+    """This process's resident memory in MB (-1 where /proc does not say)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def _layout_pins(mesh, state: list):

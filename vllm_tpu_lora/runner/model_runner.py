@@ -288,6 +288,10 @@ class ModelRunner:
             for t_b, s_b, w_b, fallback in forwards:
                 last = self._forward(self._dummy(t_b, self.request_ladder[0], s_b, w_b), s_b,
                                      fallback)
+                if self.capture is not None:  # which capture a compile's log line names
+                    logger.debug("warm-up: forward T%d/S%d/W%s%s is capture %d", t_b, s_b,
+                                 w_b, " (fallback)" if fallback else "",
+                                 self.capture.captures)
                 bar.update(1)
             for r_b in self.request_ladder:
                 for greedy in (False, True):
