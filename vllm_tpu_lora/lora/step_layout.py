@@ -147,8 +147,10 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 # and every win measured had S*R >= 2,048) runs the fused grouped kernel over the buffers
 # as they lie ("grouped_kernel": A [N, R, D] and B [N, R, O] are already its layout there);
 # any other S >= 2 onehot or stacked as above. Both paths' FLOPs scale with the width
-# D+O, so the rule leaves it out. Not measured: S*R of 2,048 at rank 64 (S = 32), and
-# T*S*R past 2^21.
+# D+O, so the rule leaves it out. At rank 64 over 32 slots (S*R = 2,048, run 20) it holds:
+# T=1024 S=32 R=64 (2^21) 2.17 | 2.11 | 1.54, and T=1024 S=128 R=64 (2^23) 9.28 | 7.72 |
+# 2.93 (1.05x roofline); while 8 of 32 slots in use (a step the engine runs in an 8-slot
+# graph, 2^19) 0.77 | 2.11 | 1.30. Not measured: T*S*R past 2^23.
 # On XLA CPU the table above wins (onehot is its fallback at a few buckets only).
 
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
