@@ -280,8 +280,10 @@ def anchor_rows(llm, work, args) -> list[dict]:
     """The engine's own weights (its device arrays, on the jax runtime) in a plain jax.jit
     decode step: batch max_num_seqs, contexts as the engine's first decode wave had. Then
     the same step with each adapter count's one-hot LoRA from the engine's slot buffers
-    (jax_anchor: "stacked" over the first n slots as they lie, "gathered" by index): the
-    cost of LoRA in plain JAX on this chip, like against like for the engine's ratios."""
+    (jax_anchor: "stacked" over the first slots as they lie, "all" over every slot,
+    "gathered" by index, "sliced" as dynamic slices), over as many adapters as a step of
+    this batch uses: the cost of LoRA in plain JAX on this chip, like against like for the
+    engine's ratios."""
     engine = llm.llm_engine
     if engine.runtime.name != "jax":
         return [{"row": "anchor", "ms": None, "why": "weights are read from a jax-runtime engine"}]
@@ -294,10 +296,14 @@ def anchor_rows(llm, work, args) -> list[dict]:
     rows = [{"row": "anchor", **base, "batch": b, "mean_context": float(np.mean(ctx)),
              "calls": args.anchor_calls}]
     for n in args.num_adapters:
+        # A decode step of b sequences uses at most b of the n adapters, as the engine's:
+        # "stacked" then reads those alone, "all" every slot (max_loras = n).
+        active = min(n, b)
         for form in args.anchor_lora_forms:
-            t = time_anchor(*build_anchor(engine.runner.model, ctx, block, n, form),
+            t = time_anchor(*build_anchor(engine.runner.model, ctx, block, active, form),
                             args.anchor_calls)
-            rows.append({"row": "anchor_lora", "adapters": n, "form": form, **t,
+            rows.append({"row": "anchor_lora", "adapters": n, "active": active, "form": form,
+                         **t,
                          "vs_base": base["ms"] / t["ms"],
                          "vs_base_pipelined": base["pipelined_ms"] / t["pipelined_ms"]})
     return rows
