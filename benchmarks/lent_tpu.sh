@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent TPU v5e (docs/tpu.md): install from the machine's own wheel folders
-# (if this machine has not yet), then each step named: tests | bench | profile | churn | layer | sec.
+# (if this machine has not yet), then each step named: tests | bench | profile | churn | hostcost | layer | sec.
 #   bash benchmarks/lent_tpu.sh tests            # tests/test_tpu.py -> $OUT/tpu_tests.log
 #   BENCH_ARGS="--num-adapters 8 32" bash benchmarks/lent_tpu.sh bench
 #   LAYER_ARGS="--tokens 32 --slots 8 32" bash benchmarks/lent_tpu.sh layer
@@ -37,6 +37,10 @@ for what in "$@"; do
              --rounds ${CHURN_ROUNDS:-3} --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 \
              --prompt-len 8 24 --output-len 8 8 --max-num-seqs 16 --max-loras 16 ${CHURN_ARGS:-} \
              > $OUT/churn.log 2>&1; echo "churn rc $?"; grep '"name"' $OUT/churn.log | cut -c1-400 ;;
+    # What the adapter load path's host operations cost here (syscalls, threaded header
+    # reads, transfer forms): seconds; run it before deciding how to cut the churn.
+    hostcost) timeout ${HOSTCOST_S:-120} python3 -u benchmarks/host_costs.py --out $OUT/host_costs.jsonl ${HOSTCOST_ARGS:-} \
+             > $OUT/host_costs.log 2>&1; echo "hostcost rc $?"; grep '"row"' $OUT/host_costs.log | cut -c1-300 ;;
     layer) timeout ${LAYER_S:-300} python3 -u benchmarks/tpu_lora_layer.py --out $OUT/lora_layer.jsonl ${LAYER_ARGS:-} > $OUT/layer.log 2>&1; echo "layer rc $?"; tail -c 3000 $OUT/layer.log ;;
   esac
 done

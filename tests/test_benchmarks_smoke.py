@@ -165,3 +165,24 @@ def test_step_phases_small_accounts_for_the_step():
     assert rows["2_distinct_adapters"]["phases_ms"]["lora_plan"] > 0
     assert (rows["2_distinct_adapters"]["phases_ms"]["activate"]
             > rows["lora_enabled_unused"]["phases_ms"]["activate"])
+
+
+def test_host_costs_probe_small_runs():
+    """The host-cost probe (run first on a TPU VM) reads real adapter copies serially and
+    in threads and times both transfer forms of a write batch."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "host_costs.py")
+    out = subprocess.run([sys.executable, script, "--adapters", "6", "--threads", "2",
+                          "--batches", "1", "3", "--reps", "2"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert {r["op"] for r in rows if r["row"] == "syscall"} == {"stat", "open+close"}
+    reads = [r for r in rows if r["row"] == "header_reads"]
+    assert [r["threads"] for r in reads] == [1, 2] and all(r["adapters"] == 6 for r in reads)
+    puts = [r for r in rows if r["row"] == "device_put"]
+    assert [r["images"] for r in puts] == [1, 3]
+    assert all(r["list_ms"] > 0 and r["stacked_ms"] > 0 for r in puts)
