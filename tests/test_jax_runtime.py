@@ -399,3 +399,30 @@ def test_compiles_past_the_mapping_limit_are_refused_with_the_reason(llama_dir, 
                                            r"compiled so far took up to ~\d+ mappings each.*"
                                            r"sudo sysctl -w vm.max_map_count=262144"):
         llm.llm_engine.runner.precompile()
+
+
+def test_compile_threads_bound_how_many_warm_up_compiles_run_at_once(llama_dir, monkeypatch):
+    """VLLM_TPU_LORA_COMPILE_THREADS=1: warm-up's compiles run one at a time (each holds
+    its graph's compiler state in host memory), and every graph still compiles; a value
+    that is not a positive integer is refused with the variable's name."""
+    from vllm_tpu_lora.runner.jax_runtime import JaxGraphCapture
+
+    running, most = [0], [0]
+    compile_one = JaxGraphCapture._compile
+
+    def counted(self, lowered, name):
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        try:
+            return compile_one(self, lowered, name)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(JaxGraphCapture, "_compile", counted)
+    monkeypatch.setenv("VLLM_TPU_LORA_COMPILE_THREADS", "1")
+    llm = LLM(llama_dir, runtime="jax", **SMALL_ENGINE)
+    assert most[0] == 1 and llm.llm_engine.runner.num_graphs > 1
+    monkeypatch.setenv("VLLM_TPU_LORA_COMPILE_THREADS", "0")
+    with pytest.raises(ValueError, match="VLLM_TPU_LORA_COMPILE_THREADS must be a positive "
+                                         "integer, got '0'"):
+        LLM(llama_dir, runtime="jax", **SMALL_ENGINE)

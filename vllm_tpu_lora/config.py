@@ -34,6 +34,22 @@ def xla_cache_dir() -> str:
     )
 
 
+def compile_threads() -> int | None:
+    """VLLM_TPU_LORA_COMPILE_THREADS: how many XLA compiles the jax runtime's warm-up runs
+    at once (default: min(8, CPU cores)). Each holds its graph's compiler state in host
+    memory: fewer threads bound warm-up's peak memory at the cost of its time."""
+    raw = os.environ.get("VLLM_TPU_LORA_COMPILE_THREADS")
+    if raw is None or not raw.strip():
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"VLLM_TPU_LORA_COMPILE_THREADS must be a positive integer, got {raw!r}")
+    return n
+
+
 def runtime_lora_updating_allowed() -> bool:
     return env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 

@@ -37,6 +37,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from vllm_tpu_lora import platform
+from vllm_tpu_lora.config import compile_threads
 from vllm_tpu_lora.ops.pallas_kernels import jax_matmul_precision, x64
 from vllm_tpu_lora.runner import map_budget
 from vllm_tpu_lora.runner.lazy_capture import split_args
@@ -232,8 +233,9 @@ class JaxGraphCapture:
         warm-up overlaps the compiles with each other and with the next graphs' traces
         (the TPU compiled ~11 s per Llama-3.2-1B graph in series). On exit every compile
         is waited for; one that failed raises there. Calls with known keys also return
-        zeros inside, so use it only for warm-up."""
-        threads = threads or min(8, os.cpu_count() or 1)
+        zeros inside, so use it only for warm-up. `threads`: default
+        VLLM_TPU_LORA_COMPILE_THREADS, else min(8, CPU cores)."""
+        threads = threads or compile_threads() or min(8, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="xla-compile")
         try:
             yield
