@@ -41,6 +41,11 @@ from benchmark_throughput import add_model_args, apply_small, make_workload  # n
 from many_adapters import make_many_adapters  # noqa: E402
 from step_timing import timed_generate  # noqa: E402
 
+# What --force-strategy may name (punica's xla strategies; a TPU's rank-first buffers take
+# the first four only, and the engine says so).
+FORCEABLE = ["single", "onehot", "stacked", "grouped_kernel", "slots", "gathered", "split",
+             "grouped"]
+
 LLAMA_1B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256,
                 num_requests=64, prompt_len=[128, 512], output_len=[128, 128], max_num_seqs=32,
                 max_num_batched_tokens=256)
@@ -55,9 +60,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--num-adapters", type=int, nargs="+", default=[8, 32])
     p.add_argument("--lora-backend", default="auto")
-    p.add_argument("--force-strategy", default=None,
-                   help="every LoRA graph runs this xla strategy (onehot, stacked, ...) "
-                   "instead of the table's pick: the table's choice side by side with another")
+    p.add_argument("--force-strategy", default=None, choices=FORCEABLE,
+                   help="every LoRA graph runs this xla strategy instead of the table's "
+                   "pick (xla backend): the table's choice side by side with another")
     default_runtimes = ["jax"] + (["torch_xla"] if platform.torch_xla_available() else [])
     p.add_argument("--runtimes", nargs="+", default=default_runtimes)
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
@@ -70,13 +75,26 @@ def parse_args() -> argparse.Namespace:
                    help="the anchor's LoRA variants per adapter count (jax_anchor.py; "
                    "none: base only)")
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
-    p.add_argument("--log-level", default="WARNING",
-                   help="the engine's logging (DEBUG: each warm-up compile's start and end)")
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   help="the engine's logging (DEBUG: each warm-up compile's start and end); "
+                   "other libraries stay at WARNING")
     args = apply_small(p.parse_args())
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("vllm_tpu_lora").setLevel(args.log_level)
     if args.small:
         args.num_adapters, args.rank, args.anchor_calls = [2], 8, 5
     return args
+
+
+def force_strategy(engine, strategy: str | None) -> None:
+    """Every LoRA graph of `engine` traced from now on runs `strategy` (None: the table's
+    pick). Only the xla backend's fused path has strategies: refused elsewhere rather than
+    ignored."""
+    punica = engine.runner.punica
+    if strategy is not None and not (punica.backend == "xla" and punica.fuse_slices):
+        raise ValueError(f"--force-strategy needs the xla backend's fused path; this engine "
+                         f"runs {punica.backend!r}")
+    punica.force_strategy = strategy
 
 
 def emit(row: dict, out) -> None:
@@ -208,7 +226,7 @@ def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out)
               precompile=args.force_strategy is None)
     engine = llm.llm_engine
     if args.force_strategy is not None:  # set before warm-up traces the graphs
-        engine.runner.punica.force_strategy = args.force_strategy
+        force_strategy(engine, args.force_strategy)
         engine.runner.precompile()
     stats = engine.stats()
     emit({"row": "engine", "runtime": runtime, "startup_s": time.perf_counter() - t0,
@@ -296,9 +314,9 @@ def anchor_rows(llm, work, args) -> list[dict]:
     rows = [{"row": "anchor", **base, "batch": b, "mean_context": float(np.mean(ctx)),
              "calls": args.anchor_calls}]
     for n in args.num_adapters:
-        # A decode step of b sequences uses at most b of the n adapters, as the engine's:
-        # "stacked" then reads those alone, "all" every slot (max_loras = n).
-        active = min(n, b)
+        # A decode step of the anchor's batch uses at most that many of the n adapters, as
+        # the engine's: "stacked" then reads those alone, "all" every slot of the engine.
+        active = min(n, len(ctx))
         for form in args.anchor_lora_forms:
             t = time_anchor(*build_anchor(engine.runner.model, ctx, block, active, form),
                             args.anchor_calls)

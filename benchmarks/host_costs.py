@@ -3,14 +3,17 @@ numbers that decide how issue 41's churn is cut on a host (the TPU VM runs under
 where a file syscall measured 15-100 us against ~1 us on the CPU host).
 
 Rows (JSON, one per line):
-  - `syscall`: per call, a `stat`, an `open` + `close`, of an adapter's files;
+  - `syscall`: per call, a `stat`, an `open` + `close`, of adapters' weights files;
   - `header_reads`: registration's read of N adapters' config and safetensors header
     (`read_adapter_bytes`, no tensor data), one thread, and split over 2/4/8 threads in
     contiguous chunks (an `open` gives the GIL back: does the filesystem serve opens in
     parallel?);
   - `device_put`: k slot images of one adapter's size moved as a list of k arrays in one
     `jax.device_put` against one stacked [k, n] array (its host stacking included),
-    waited for.
+    waited for. (On a CPU device a transfer of an aligned array may alias it: those rows
+    time dispatch and the stacking copy, not a transfer.)
+The adapter copies go to a fresh temporary directory (`--dir` to put them elsewhere), as
+the churn benchmark's do; their files are in the page cache, as a just-written adapter's.
 
     python benchmarks/host_costs.py --out $OUT/host_costs.jsonl
 """

@@ -28,7 +28,14 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_jax_runtime import LLAMA_1B, anchor_contexts, emit, make_model  # noqa: E402
+from benchmark_jax_runtime import (  # noqa: E402
+    FORCEABLE,
+    LLAMA_1B,
+    anchor_contexts,
+    emit,
+    force_strategy,
+    make_model,
+)
 from benchmark_throughput import add_model_args, apply_small, make_workload  # noqa: E402
 from many_adapters import make_many_adapters  # noqa: E402
 
@@ -43,7 +50,7 @@ def parse_args() -> argparse.Namespace:
                    help="one engine per value, each profiled without and with LoRA")
     p.add_argument("--steps", type=int, default=5, help="decode steps per traced window")
     p.add_argument("--lora-backend", default="auto")
-    p.add_argument("--force-strategy", default=None,
+    p.add_argument("--force-strategy", default=None, choices=FORCEABLE,
                    help="every LoRA graph runs this xla strategy instead of the table's pick")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
     p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -232,7 +239,7 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
               enable_prefix_caching=False, precompile=False, async_scheduling=False,
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30))
     engine = llm.llm_engine
-    engine.runner.punica.force_strategy = args.force_strategy  # traced lazily, below
+    force_strategy(engine, args.force_strategy)  # graphs are traced lazily, below
     emit({"row": "engine", "max_loras": max_loras, "startup_s": time.perf_counter() - t0,
           "lora_backend": engine.runner.punica.backend,
           "force_strategy": args.force_strategy}, args.out)

@@ -186,3 +186,28 @@ def test_host_costs_probe_small_runs():
     puts = [r for r in rows if r["row"] == "device_put"]
     assert [r["images"] for r in puts] == [1, 3]
     assert all(r["list_ms"] > 0 and r["stacked_ms"] > 0 for r in puts)
+
+
+def test_benchmark_jax_runtime_forced_strategy_small_runs():
+    """benchmark_jax_runtime.py --small with --force-strategy: every LoRA graph the engine
+    ran is the forced one (the table would pick "single" for one adapter and "slots" for
+    64-token steps here), and each anchor form reads as many adapters as the batch uses."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks",
+                          "benchmark_jax_runtime.py")
+    out = subprocess.run([sys.executable, script, "--small", "--runtimes", "jax",
+                          "--force-strategy", "onehot", "--anchor-lora-forms", "stacked", "all"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    engine = next(r for r in rows if r["row"] == "engine")
+    assert engine["force_strategy"] == "onehot" and engine["lora_backend"] == "xla"
+    lora_run = next(r for r in rows if r["row"] == "engine_run" and r["adapters"] == 2)
+    labels = [g for mode in ("serving_sync", "serving_async") for g in lora_run[mode]["by_graph"]]
+    assert labels and all(g.endswith("/onehot") for g in labels), labels
+    assert any("/S1/" in g for g in labels)  # one adapter's steps too
+    anchors = [r for r in rows if r["row"] == "anchor_lora"]
+    assert [(r["form"], r["active"]) for r in anchors] == [("stacked", 2), ("all", 2)]

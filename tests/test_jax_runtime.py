@@ -405,8 +405,17 @@ def test_compile_threads_bound_how_many_warm_up_compiles_run_at_once(llama_dir, 
     """VLLM_TPU_LORA_COMPILE_THREADS=1: warm-up's compiles run one at a time (each holds
     its graph's compiler state in host memory), and every graph still compiles; a value
     that is not a positive integer is refused with the variable's name."""
+    from vllm_tpu_lora.runner import jax_runtime
     from vllm_tpu_lora.runner.jax_runtime import JaxGraphCapture
 
+    pools = []
+
+    class RecordedPool(jax_runtime.ThreadPoolExecutor):
+        def __init__(self, max_workers, **kwargs):
+            pools.append(max_workers)
+            super().__init__(max_workers, **kwargs)
+
+    monkeypatch.setattr(jax_runtime, "ThreadPoolExecutor", RecordedPool)
     running, most = [0], [0]
     compile_one = JaxGraphCapture._compile
 
@@ -421,7 +430,7 @@ def test_compile_threads_bound_how_many_warm_up_compiles_run_at_once(llama_dir, 
     monkeypatch.setattr(JaxGraphCapture, "_compile", counted)
     monkeypatch.setenv("VLLM_TPU_LORA_COMPILE_THREADS", "1")
     llm = LLM(llama_dir, runtime="jax", **SMALL_ENGINE)
-    assert most[0] == 1 and llm.llm_engine.runner.num_graphs > 1
+    assert pools == [1] and most[0] == 1 and llm.llm_engine.runner.num_graphs > 1
     monkeypatch.setenv("VLLM_TPU_LORA_COMPILE_THREADS", "0")
     with pytest.raises(ValueError, match="VLLM_TPU_LORA_COMPILE_THREADS must be a positive "
                                          "integer, got '0'"):

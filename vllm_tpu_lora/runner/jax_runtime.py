@@ -224,6 +224,7 @@ class JaxGraphCapture:
         self.compile_seconds = 0.0  # XLA's compiles, summed over the threads they ran in
         # XLA's CPU executables count against the process's mapping limit (map_budget).
         self.map_budget = map_budget.BUDGET if runtime.jax_device.platform == "cpu" else None
+        compile_threads()  # a bad VLLM_TPU_LORA_COMPILE_THREADS is refused at start
 
     @contextmanager
     def background_compiles(self, threads: int | None = None):
@@ -320,7 +321,9 @@ class JaxGraphCapture:
         # Each compile's start and end with the process's memory (DEBUG): a process that
         # dies inside a compile thread (a SIGSEGV at the end of a 128-slot warm-up on the
         # v5e) names the graphs that were in flight and how big it had grown.
-        logger.debug("compile of %s started (rss %d MB)", name, _rss_mb())
+        debug = logger.isEnabledFor(logging.DEBUG)
+        if debug:
+            logger.debug("compile of %s started (rss %d MB)", name, _rss_mb())
         start = time.perf_counter()
         try:
             with x64(True):
@@ -329,7 +332,8 @@ class JaxGraphCapture:
             if budget is not None:
                 budget.finished(started)
         elapsed = time.perf_counter() - start
-        logger.debug("compile of %s done in %.1f s (rss %d MB)", name, elapsed, _rss_mb())
+        if debug:
+            logger.debug("compile of %s done in %.1f s (rss %d MB)", name, elapsed, _rss_mb())
         with _lock:
             self.compile_seconds += elapsed
         return compiled
