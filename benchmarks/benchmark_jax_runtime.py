@@ -42,9 +42,9 @@ from many_adapters import make_many_adapters  # noqa: E402
 from step_timing import timed_generate  # noqa: E402
 
 # What --force-strategy may name (punica's xla strategies; a TPU's rank-first buffers take
-# the first four only, and the engine says so).
-FORCEABLE = ["single", "onehot", "stacked", "grouped_kernel", "slots", "gathered", "split",
-             "grouped"]
+# the first five only, and the engine says so; "indexed" is the jax runtime's only).
+FORCEABLE = ["single", "onehot", "stacked", "grouped_kernel", "indexed", "slots", "gathered",
+             "split", "grouped"]
 
 LLAMA_1B = dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256,
                 num_requests=64, prompt_len=[128, 512], output_len=[128, 128], max_num_seqs=32,

@@ -157,6 +157,22 @@ def test_tpu_strategies_and_sliced_reads_match_peft(llama_dir, adapters, caplog)
     _assert_batched_slot_writes(llm)  # this runtime's writes: a dynamic update per slot
 
 
+def test_forced_indexed_kernel_matches_peft(llama_dir, adapters):
+    """The indexed Pallas kernel (interpreted here), forced on every LoRA graph of the
+    TPU's table as a benchmark forces it to check the table's verdict: each step's
+    adapters read at their slots, through fewer slots than adapters, equal to PEFT."""
+    llm = LLM(llama_dir, runtime="jax", precompile=False, **{**LORA_ENGINE, "max_loras": 4})
+    engine = llm.llm_engine
+    engine.runner.punica.tpu_strategies = True
+    engine.runner.punica.force_strategy = "indexed"
+    engine.runner.precompile()
+    prompts, picks = _mixed_workload(adapters, n_prompts=8, seed=7)
+    with no_jax_compiles():
+        _assert_matches_peft(llm, llama_dir, adapters, prompts, picks)
+    kinds = {key.split("/")[-1] for key, n in engine.stats()["forward_graph_steps"].items() if n}
+    assert kinds == {"indexed"}, kinds  # every step, the one-adapter ones too
+
+
 # ---- 3. seeded sampling: jax == torch_xla -------------------------------------------------
 
 def test_seeded_sampling_equals_torch_xla(llama_dir, jax_llama):

@@ -200,8 +200,8 @@ class PunicaWrapper:
         if self.backend != "xla":
             return None
         if self.force_strategy is not None:
-            if not self.a_by_input and self.force_strategy not in ("single", "onehot",
-                                                                    "stacked", "grouped_kernel"):
+            if not self.a_by_input and self.force_strategy not in (
+                    "single", "onehot", "stacked", "grouped_kernel", "indexed"):
                 raise ValueError(f"strategy {self.force_strategy!r} reads A as [N, D, R], "
                                  "which a TPU does not hold")
             return self.force_strategy
@@ -290,6 +290,8 @@ class PunicaWrapper:
         if strategy == "grouped_kernel":  # A as the kernel reads it: a copy on CPU only
             return self._pallas_linear(y, x, [la.transpose(1, 2) if self.a_by_input else la
                                               for la in lora_a], lora_b, output_slices)
+        if strategy == "indexed":
+            return self._indexed_linear(y, x, lora_a, lora_b)
         if strategy == "gathered":
             return self._gathered_linear(y, x, lora_a, lora_b)
         if strategy == "split":
@@ -472,7 +474,7 @@ class PunicaWrapper:
             return self._slots_expand(y, [self._to_slot_rows(xa, n)], [lora_b])
         if strategy == "single":
             return self._single_expand(y, xa, [lora_b])
-        if strategy == "onehot":
+        if strategy in ("onehot", "indexed"):  # indexed: onehot's arrays, for the linears
             return self._onehot_expand(y, xa[:, None, :] * self._onehot(xa.dtype)[:, :, None],
                                        [lora_b])
         if strategy in ("stacked", "grouped_kernel"):  # the embedding: every slot's B
@@ -513,6 +515,21 @@ class PunicaWrapper:
 
         delta = grouped_linear(x, self.step["token_slot"], self.step["token_valid"], lora_a,
                                lora_b)
+        return y + delta.to(y.dtype)
+
+    def _indexed_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
+        """The indexed Pallas kernel (ops/indexed_lora.py) on onehot's arrays: each adapter
+        the step uses read once at its slot by the kernel's own DMA, no copy of the
+        weights and no read of the slots it does not use. Never picked by the table (it
+        lost to onehot in the layer benchmark); forced, it is the engine-level check of
+        that verdict where a step uses few of many slots. A CPU's [N, D, R] A (tests that
+        run the TPU's table there) is transposed first."""
+        from vllm_tpu_lora.ops.bgmv_pallas import indexed_linear
+
+        if self.a_by_input:
+            lora_a = [la.transpose(1, 2) for la in lora_a]
+        delta = indexed_linear(x, self.step["token_lora_idx"], self.step["active_slots"],
+                               lora_a, lora_b)
         return y + delta.to(y.dtype)
 
     def _host_layout(self) -> ops.SegmentLayout:

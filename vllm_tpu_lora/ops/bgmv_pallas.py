@@ -23,6 +23,7 @@ from vllm_tpu_lora.ops.bgmv_xla import (
 )
 from vllm_tpu_lora.ops.block_sizes import kernel_blocks, pallas_compute_dtype
 from vllm_tpu_lora.ops.grouped_lora import grouped_delta, grouped_delta_one
+from vllm_tpu_lora.ops.indexed_lora import indexed_lora
 from vllm_tpu_lora.ops.pallas_kernels import (  # noqa: F401  (re-exported for callers/tests)
     expand_kernel,
     expand_pallas_call,
@@ -168,6 +169,36 @@ def grouped_linear(
     deltas = [_grouped_op(slot, xs, a.to(cdt), b.to(cdt), interpret)
               for a, b in zip(lora_a, lora_b)]
     return torch.cat(deltas, dim=1).to(x.dtype)
+
+
+def indexed_linear(
+    x: torch.Tensor,
+    token_lora_idx: torch.Tensor,
+    active_slots: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    *,
+    interpret: bool | None = None,
+) -> torch.Tensor:
+    """Semantics: delta[t] = concat_i(x[t] @ lora_a[i][s].T @ lora_b[i][s]) for the device
+    slot s = active_slots[token_lora_idx[t]], 0 where token_lora_idx[t] = -1
+    (ops/indexed_lora.py: each adapter the step uses read once at its slot by the kernel).
+
+    Shapes: x [T, D], lora_a[i] [N, R, D], lora_b[i] [N, R, O_i] (rank-first) ->
+    [T, sum O_i] (x.dtype). The jax runtime only (torchax tensors): every slice in one
+    kernel call."""
+    if not is_torchax_tensor(x):
+        raise NotImplementedError("indexed_linear runs on the jax runtime only (torchax "
+                                  "tensors); torch_xla graphs use the onehot strategy")
+    from torchax import interop
+
+    interpret = default_interpret() if interpret is None else interpret
+    cdt = _compute_dtype(x.dtype)
+    fn = _bound(indexed_lora, interpret=interpret, precision=jax_matmul_precision())
+    weights = [(a.to(cdt), b.to(cdt)) for a, b in zip(lora_a, lora_b)]
+    return interop.call_jax(traced_without_x64(fn), x.to(cdt), weights,
+                            token_lora_idx.to(torch.int32),
+                            active_slots.to(torch.int32)).to(x.dtype)
 
 
 def segment_shrink(

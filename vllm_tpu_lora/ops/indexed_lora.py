@@ -11,7 +11,9 @@ Measured on a v5e (2026-12-07, benchmarks/tpu_lora_layer.py, a Llama-3-8B layer 
 16-64 tokens over 8-64 adapters): correct under Mosaic, and 1.3-1.7x slower than
 onehot at every shape where the step uses its whole bucket, as the engine's steps do.
 One grid step per adapter at rank-16 width costs more than onehot's copy saves. The
-engine does not run it; the layer benchmark keeps it beside the paths it lost to. What
+engine's table does not pick it; a benchmark can force it on every graph
+(`--force-strategy indexed`: where a step uses few of many slots, the engine's onehot
+measured far slower than the layer benchmark's, 2026-12-07). What
 it would need: several adapters per grid step (manual DMAs of arbitrary slots into one
 128-lane group, as grouped_lora.py's contiguous groups fill it).
 
