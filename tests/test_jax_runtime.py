@@ -169,8 +169,10 @@ def test_forced_indexed_kernel_matches_peft(llama_dir, adapters):
     prompts, picks = _mixed_workload(adapters, n_prompts=8, seed=7)
     with no_jax_compiles():
         _assert_matches_peft(llm, llama_dir, adapters, prompts, picks)
+    # Every step with an adapter ran the kernel, the one-adapter ones too ("single"
+    # otherwise); steps of base requests alone (while adapters load) run no LoRA.
     kinds = {key.split("/")[-1] for key, n in engine.stats()["forward_graph_steps"].items() if n}
-    assert kinds == {"indexed"}, kinds  # every step, the one-adapter ones too
+    assert "indexed" in kinds and kinds <= {"indexed", "base"}, kinds
 
 
 # ---- 3. seeded sampling: jax == torch_xla -------------------------------------------------
