@@ -21,7 +21,6 @@ the churn benchmark's do; their files are in the page cache, as a just-written a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -32,6 +31,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_jax_runtime import emit  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,14 +46,6 @@ def parse_args() -> argparse.Namespace:
                    "temporary directory, as the churn benchmark's)")
     p.add_argument("--out", default=None)
     return p.parse_args()
-
-
-def emit(row: dict, out) -> None:
-    line = json.dumps(row)
-    print(line, flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 def make_copies(root: str, n: int) -> list[str]:

@@ -224,7 +224,8 @@ class JaxGraphCapture:
         self.compile_seconds = 0.0  # XLA's compiles, summed over the threads they ran in
         # XLA's CPU executables count against the process's mapping limit (map_budget).
         self.map_budget = map_budget.BUDGET if runtime.jax_device.platform == "cpu" else None
-        compile_threads()  # a bad VLLM_TPU_LORA_COMPILE_THREADS is refused at start
+        # Read at start, so that a bad VLLM_TPU_LORA_COMPILE_THREADS is refused there.
+        self.compile_threads = compile_threads() or min(8, os.cpu_count() or 1)
 
     @contextmanager
     def background_compiles(self, threads: int | None = None):
@@ -236,7 +237,7 @@ class JaxGraphCapture:
         is waited for; one that failed raises there. Calls with known keys also return
         zeros inside, so use it only for warm-up. `threads`: default
         VLLM_TPU_LORA_COMPILE_THREADS, else min(8, CPU cores)."""
-        threads = threads or compile_threads() or min(8, os.cpu_count() or 1)
+        threads = threads or self.compile_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="xla-compile")
         try:
             yield
