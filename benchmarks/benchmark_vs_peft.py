@@ -77,9 +77,10 @@ def run_peft(model_dir, paths, work, args, grouped: bool) -> tuple[dict, list]:
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model = PeftModel.from_pretrained(base, paths[0], adapter_name="lora0")
+    model = PeftModel.from_pretrained(base, paths[0], adapter_name="lora0",
+                                      torch_device="cpu")
     for i, path in enumerate(paths[1:], start=1):
-        model.load_adapter(path, adapter_name=f"lora{i}")
+        model.load_adapter(path, adapter_name=f"lora{i}", torch_device="cpu")
     n, bs = len(paths), args.peft_batch_size
     names = [f"lora{i % n}" for i in range(len(work))]
     outputs: list = [None] * len(work)

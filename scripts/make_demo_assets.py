@@ -246,9 +246,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
                                                  attn_implementation="eager")
     model = PeftModel.from_pretrained(model, os.path.join(adapters_dir, DEMO_TASKS[0]),
-                                      adapter_name=DEMO_TASKS[0])
+                                      adapter_name=DEMO_TASKS[0], torch_device="cpu")
     for task in DEMO_TASKS[1:]:
-        model.load_adapter(os.path.join(adapters_dir, task), adapter_name=task)
+        model.load_adapter(os.path.join(adapters_dir, task), adapter_name=task,
+                           torch_device="cpu")
     model.eval()
     results = {}
     with model.disable_adapter():

@@ -62,7 +62,7 @@ def _peft_model(base_dir, adapter_dir):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    return PeftModel.from_pretrained(base, adapter_dir).eval()
+    return PeftModel.from_pretrained(base, adapter_dir, torch_device="cpu").eval()
 
 
 def _our_place(model, peft_name):

@@ -40,10 +40,13 @@ def load_oracle_model(model_dir: str, adapter_dirs: Mapping[str, str] | None = N
     if adapter_dirs:
         from peft import PeftModel
 
+        # On the CPU, named: PEFT otherwise loads onto torch.accelerator's device, which
+        # is torchax's "jax" once the jax runtime has imported it (peft 0.22 does so).
         (first, first_dir), *rest = adapter_dirs.items()
-        model = PeftModel.from_pretrained(model, first_dir, adapter_name=first)
+        model = PeftModel.from_pretrained(model, first_dir, adapter_name=first,
+                                          torch_device="cpu")
         for name, path in rest:
-            model.load_adapter(path, adapter_name=name)
+            model.load_adapter(path, adapter_name=name, torch_device="cpu")
     return model.eval()
 
 
