@@ -43,6 +43,8 @@ from step_timing import timed_generate  # noqa: E402
 
 # What --force-strategy may name (punica's xla strategies; a TPU's rank-first buffers take
 # the first five only, and the engine says so; "indexed" is the jax runtime's only).
+from vllm_tpu_lora.ops import SLOT_COPIES  # noqa: E402
+
 FORCEABLE = ["single", "onehot", "stacked", "grouped_kernel", "indexed", "slots", "gathered",
              "split", "grouped"]
 
@@ -63,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--force-strategy", default=None, choices=FORCEABLE,
                    help="every LoRA graph runs this xla strategy instead of the table's "
                    "pick (xla backend): the table's choice side by side with another")
+    p.add_argument("--slot-copy", default=None, choices=SLOT_COPIES,
+                   help="how the TPU table's graphs copy a step's slots out (default: the "
+                   "engine's, DMA on a TPU)")
     default_runtimes = ["jax"] + (["torch_xla"] if platform.torch_xla_available() else [])
     p.add_argument("--runtimes", nargs="+", default=default_runtimes)
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
@@ -71,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--anchor-calls", type=int, default=30)
     # Each variant is a compile of its own (~30 s on the v5e): one by default.
     p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked"],
-                   choices=["stacked", "all", "gathered", "sliced"],
+                   choices=["stacked", "all", "gathered", "sliced", "dma"],
                    help="the anchor's LoRA variants per adapter count (jax_anchor.py; "
                    "none: base only)")
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")
@@ -86,15 +91,19 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def force_strategy(engine, strategy: str | None) -> None:
+def force_strategy(engine, strategy: str | None, slot_copy: str | None = None) -> None:
     """Every LoRA graph of `engine` traced from now on runs `strategy` (None: the table's
-    pick). Only the xla backend's fused path has strategies: refused elsewhere rather than
+    pick), its slots copied out by `slot_copy` (ops.take_slots; None: the engine's pick).
+    Only the xla backend's fused path has strategies: refused elsewhere rather than
     ignored."""
     punica = engine.runner.punica
-    if strategy is not None and not (punica.backend == "xla" and punica.fuse_slices):
-        raise ValueError(f"--force-strategy needs the xla backend's fused path; this engine "
-                         f"runs {punica.backend!r}")
+    fused_xla = punica.backend == "xla" and punica.fuse_slices
+    for flag, value in (("--force-strategy", strategy), ("--slot-copy", slot_copy)):
+        if value is not None and not fused_xla:
+            raise ValueError(f"{flag} needs the xla backend's fused path; this engine "
+                             f"runs {punica.backend!r}")
     punica.force_strategy = strategy
+    punica.force_slot_copy = slot_copy
 
 
 def emit(row: dict, out) -> None:
@@ -223,16 +232,16 @@ def engine_rows(runtime: str, model_dir: str, paths: list[str], work, args, out)
               enable_lora=True, max_loras=max(args.num_adapters), max_lora_rank=args.rank,
               lora_backend=args.lora_backend, enable_prefix_caching=False,
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30),
-              precompile=args.force_strategy is None)
+              precompile=args.force_strategy is None and args.slot_copy is None)
     engine = llm.llm_engine
-    if args.force_strategy is not None:  # set before warm-up traces the graphs
-        force_strategy(engine, args.force_strategy)
+    if args.force_strategy is not None or args.slot_copy is not None:
+        force_strategy(engine, args.force_strategy, args.slot_copy)  # before warm-up traces
         engine.runner.precompile()
     stats = engine.stats()
     emit({"row": "engine", "runtime": runtime, "startup_s": time.perf_counter() - t0,
           "num_graphs": stats["num_graphs"], "warmup_s": stats["warmup_seconds"],
           "device": stats["device"], "lora_backend": engine.runner.punica.backend,
-          "force_strategy": args.force_strategy,
+          "force_strategy": args.force_strategy, "slot_copy": engine.runner.punica.slot_copy,
           # tracing in the engine's thread; compiles summed over the threads they ran in
           "trace_s": getattr(engine.runner.capture, "trace_seconds", None),
           "compile_s": getattr(engine.runner.capture, "compile_seconds", None)}, out)
@@ -299,9 +308,9 @@ def anchor_rows(llm, work, args) -> list[dict]:
     decode step: batch max_num_seqs, contexts as the engine's first decode wave had. Then
     the same step with each adapter count's one-hot LoRA from the engine's slot buffers
     (jax_anchor: "stacked" over the first slots as they lie, "all" over every slot,
-    "gathered" by index, "sliced" as dynamic slices), over as many adapters as a step of
-    this batch uses: the cost of LoRA in plain JAX on this chip, like against like for the
-    engine's ratios."""
+    "gathered" by index, "sliced" as dynamic slices, "dma" by the engine's copy kernel),
+    over as many adapters as a step of this batch uses: the cost of LoRA in plain JAX on
+    this chip, like against like for the engine's ratios."""
     engine = llm.llm_engine
     if engine.runtime.name != "jax":
         return [{"row": "anchor", "ms": None, "why": "weights are read from a jax-runtime engine"}]

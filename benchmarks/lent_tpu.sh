@@ -24,7 +24,8 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_
 python3 -c "import platform, torch, jax, transformers; print(platform.libc_ver(), torch.__version__, jax.__version__, transformers.__version__, jax.devices())"
 for what in "$@"; do
   case $what in
-    tests) timeout 300 python3 -m pytest -q -rs -p no:cacheprovider ${TESTS_ARGS:-} tests/test_tpu.py 2>&1 | tee $OUT/tpu_tests.log | tail -40 ;;
+    # eval: TESTS_ARGS may quote a -k expression ("a or b").
+    tests) eval timeout 300 python3 -m pytest -q -rs -p no:cacheprovider ${TESTS_ARGS:-} tests/test_tpu.py 2>&1 | tee $OUT/tpu_tests.log | tail -40 ;;
     sec) echo "t=$SECONDS" ;;
     # The whole log goes to $OUT as it is written: a call cut off at its limit still says how far it got.
     bench) timeout ${BENCH_S:-540} python3 -u benchmarks/benchmark_jax_runtime.py --out $OUT/jax_runtime.jsonl ${BENCH_ARGS:-} > $OUT/bench.log 2>&1; echo "bench rc $?"; tail -c 3000 $OUT/bench.log ;;

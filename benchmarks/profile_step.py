@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_jax_runtime import (  # noqa: E402
     FORCEABLE,
     LLAMA_1B,
+    SLOT_COPIES,
     anchor_contexts,
     emit,
     force_strategy,
@@ -52,10 +53,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lora-backend", default="auto")
     p.add_argument("--force-strategy", default=None, choices=FORCEABLE,
                    help="every LoRA graph runs this xla strategy instead of the table's pick")
+    p.add_argument("--slot-copies", nargs="+", default=[None], choices=[None, *SLOT_COPIES],
+                   help="one engine per value (ops.take_slots' copy; default the engine's)")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
     p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked", "gathered"],
-                   choices=["stacked", "all", "gathered", "sliced"])
+                   choices=["stacked", "all", "gathered", "sliced", "dma"])
     p.add_argument("--out-dir", required=True)
     args = apply_small(p.parse_args())
     if args.small:
@@ -228,7 +231,9 @@ def decode_window(llm, work, loras, steps: int, trace_dir: str | None) -> int:
 
 
 def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
-                   anchor: bool) -> None:
+                   slot_copy: str | None, first: bool) -> None:
+    """One engine's decode windows (the base one on the first engine only) and, on the
+    first, the anchor's."""
     from vllm_tpu_lora import LLM, LoRARequest
 
     t0 = time.perf_counter()
@@ -239,17 +244,18 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
               enable_prefix_caching=False, precompile=False, async_scheduling=False,
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30))
     engine = llm.llm_engine
-    force_strategy(engine, args.force_strategy)  # graphs are traced lazily, below
+    force_strategy(engine, args.force_strategy, slot_copy)  # graphs traced lazily, below
     emit({"row": "engine", "max_loras": max_loras, "startup_s": time.perf_counter() - t0,
-          "lora_backend": engine.runner.punica.backend,
-          "force_strategy": args.force_strategy}, args.out)
+          "lora_backend": engine.runner.punica.backend, "force_strategy": args.force_strategy,
+          "slot_copy": engine.runner.punica.slot_copy}, args.out)
     reqs = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
     for r in reqs:
         engine.add_lora(r)
     batch = work[: args.max_num_seqs]
-    for n in (0, args.adapters):
+    for n in ((0,) if first else ()) + (args.adapters,):
         loras = [reqs[i % n] for i in range(len(batch))] if n else None
-        label = f"engine_slots{max_loras}_adapters{n}"
+        label = f"engine_slots{max_loras}_adapters{n}" + (f"_{slot_copy}" if n and slot_copy
+                                                           else "")
         t0 = time.perf_counter()
         decode_window(llm, batch, loras, 2, None)  # compiles what the window runs
         compiled_s = time.perf_counter() - t0
@@ -263,7 +269,7 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
               "forward_graph_steps": dict(engine.runner.forward_graph_steps)}, args.out)
         for row in module_rows(label, runs, by_module, scopes):
             emit(row, args.out)
-    if anchor:
+    if first:
         profile_anchor(llm, batch, args)
 
 
@@ -306,7 +312,8 @@ def main() -> int:
                                    args.rank)
         work = make_workload(args)
         for i, max_loras in enumerate(args.max_loras):
-            profile_engine(model_dir, paths, work, args, max_loras, anchor=i == 0)
+            for j, copy in enumerate(args.slot_copies):
+                profile_engine(model_dir, paths, work, args, max_loras, copy, first=i == j == 0)
     return 0
 
 

@@ -103,12 +103,19 @@ def compositions(pk, jnp, block, interpret, precision="default"):
         return y
 
     def take(w, slots):
-        """ops.take_slots on a TPU: the slots read as dynamic slices (a gather over the
-        slot axis reads every slot there)."""
+        """The single strategy's read on a TPU: the slot as a dynamic slice (a gather over
+        the slot axis reads every slot there)."""
         import jax
 
         return jnp.concatenate([jax.lax.dynamic_index_in_dim(w, slots[i], 0)
                                 for i in range(slots.shape[0])])
+
+    def copy_out(ws, slots):
+        """The onehot strategy's copy on a TPU since 2026-12-07 (ops.take_slots "dma"):
+        the slots of each buffer copied by one DMA kernel, side by side (rows before
+        that date used dynamic slices, `take`)."""
+        return load_torch_free("ops.slot_copy").take_slots_dma(list(ws), slots,
+                                                              interpret=interpret)
 
     def single(x, y, lay, a_s, bt_s):
         """S = 1 on a TPU (PunicaWrapper._single_slot_linear): the step's one adapter's
@@ -124,8 +131,8 @@ def compositions(pk, jnp, block, interpret, precision="default"):
 
     def onehot(x, y, lay, a_s, bt_s, by_input=False):
         """The xla backend's "onehot" strategy (PunicaWrapper._onehot_linear): the step's
-        S active slots' weights copied out (dynamic slices, as the engine reads them on a
-        TPU since 2026-12-07), every token times all S, a [T, S] one-hot keeping its own.
+        S active slots' weights copied out (by DMA, `copy_out`, as the engine does on a
+        TPU), every token times all S, a [T, S] one-hot keeping its own.
         A rank-first [N, R, D] as a TPU engine holds it; by_input: [N, D, R], the CPU's
         layout (the engines before 2026-12-07 on a TPU too), whose minor rank axis a TPU
         pads to 128 lanes, read by a gather (jnp.take) as the engine read it then."""
@@ -136,11 +143,11 @@ def compositions(pk, jnp, block, interpret, precision="default"):
             a = jnp.concatenate([at[active] for at in a_s], axis=2)  # [S, D, n*R]
             xa = jnp.einsum("td,sdr->tsr", x, a)
         else:
-            a = jnp.concatenate([take(a, active) for a in a_s], axis=1)  # [S, n*R, D]
+            a = copy_out(a_s, active)  # [S, n*R, D]
             xa = jnp.einsum("td,srd->tsr", x, a)
         xa = xa * hit[:, :, None].astype(x.dtype)
         deltas = [xa[:, :, i * rank:(i + 1) * rank].reshape(x.shape[0], -1)
-                  @ (bt[active] if by_input else take(bt, active)).reshape(-1, bt.shape[2])
+                  @ (bt[active] if by_input else copy_out([bt], active)).reshape(-1, bt.shape[2])
                   for i, bt in enumerate(bt_s)]
         return y + jnp.concatenate(deltas, axis=1).astype(y.dtype)
 

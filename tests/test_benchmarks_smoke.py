@@ -200,7 +200,7 @@ def test_benchmark_jax_runtime_forced_strategy_small_runs():
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks",
                           "benchmark_jax_runtime.py")
     out = subprocess.run([sys.executable, script, "--small", "--runtimes", "jax",
-                          "--force-strategy", "onehot", "--anchor-lora-forms", "stacked", "all"],
+                          "--force-strategy", "onehot", "--anchor-lora-forms", "stacked", "dma"],
                          capture_output=True, text=True, timeout=600, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     engine = next(r for r in rows if r["row"] == "engine")
@@ -210,4 +210,4 @@ def test_benchmark_jax_runtime_forced_strategy_small_runs():
     assert labels and all(g.endswith("/onehot") for g in labels), labels
     assert any("/S1/" in g for g in labels)  # one adapter's steps too
     anchors = [r for r in rows if r["row"] == "anchor_lora"]
-    assert [(r["form"], r["active"]) for r in anchors] == [("stacked", 2), ("all", 2)]
+    assert [(r["form"], r["active"]) for r in anchors] == [("stacked", 2), ("dma", 2)]

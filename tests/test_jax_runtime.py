@@ -131,19 +131,21 @@ def test_mixed_adapter_batch_matches_peft(request, llama_dir, adapters, backend)
     assert stats["lora_slots_in_use"] <= 2 and stats["compilations_after_warmup"] == 0
 
 
-def test_tpu_strategies_and_sliced_reads_match_peft(llama_dir, adapters, caplog):
+def test_tpu_strategies_and_dma_slot_copies_match_peft(llama_dir, adapters, caplog):
     """The TPU's LoRA graphs on this runtime, on CPU: its strategy table ("single" for one
     adapter, "onehot" over the step's adapters, "stacked" over every slot where the
     bucket is all of them, the fused grouped kernel (interpreted here) where T*S*R is
     large: its threshold lowered so that the 32-token bucket of 3-4 adapters reaches it)
-    and its reads of the step's slots as dynamic slices (ops.take_slots), against PEFT,
-    through fewer slots than adapters, graphs of every kind in one engine; the table
-    logged at precompile; then a padded batch of slot writes (ops.put_slots) read back."""
+    and its reads of the step's slots by the DMA copy a TPU runs (ops.take_slots,
+    interpreted here), against PEFT, through fewer slots than adapters, graphs of every
+    kind in one engine; the table logged at precompile; then a padded batch of slot
+    writes (ops.put_slots) read back."""
     llm = LLM(llama_dir, runtime="jax", precompile=False, **{**LORA_ENGINE, "max_loras": 4})
     engine = llm.llm_engine
     punica = engine.runner.punica
     assert punica.grouped_kernel_from == step_layout.GROUPED_KERNEL_FROM  # "auto"
     punica.tpu_strategies = True
+    assert punica.slot_copy == "dma"
     punica.grouped_kernel_from = (32 * 4 * 16, 4 * 16)  # T32 with 3-4 adapters of rank 16
     with caplog.at_level(logging.INFO, logger="vllm_tpu_lora.runner.model_runner"):
         engine.runner.precompile()

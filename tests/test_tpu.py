@@ -3,7 +3,7 @@ the runtime "auto" picks there (the jax runtime on a TPU; torch_xla with
 VLLM_TPU_LORA_TPU_TEST_RUNTIME=torch_xla): the Mosaic-compiled Pallas LoRA kernels
 against the float32 reference, the engine on the ragged-paged-attention kernel against HF, end-to-end multi-LoRA generation
 against PEFT on the real kernels (lora_backend="pallas") and on the xla backend's TPU
-strategies that "auto" picks there (stacked, onehot over sliced reads, single, the
+strategies that "auto" picks there (stacked, onehot over DMA-copied slots, single, the
 grouped kernel as one graph among them), and no
 compilation after warm-up on the TPU runtime.
 
@@ -163,6 +163,23 @@ def test_indexed_kernel_on_mosaic_matches_float64(t, n, p, r, d, outs, dtype):
     assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < tol
 
 
+def test_dma_slot_copy_on_mosaic_is_exact():
+    """The onehot strategy's slot copy (ops/slot_copy.py) compiled by Mosaic: 32 of 128
+    slots, repeats and the last slot among them, a packed qkv A's three slices side by
+    side and a wide B, bf16: bit-exact to numpy's take."""
+    import jax.numpy as jnp
+
+    from vllm_tpu_lora.ops.slot_copy import take_slots_dma
+
+    rng = np.random.default_rng(5)
+    slots = np.concatenate([[127, 0, 127], rng.integers(0, 128, 29)]).astype(np.int32)
+    for shapes in ([(128, 16, 2048)] * 3, [(128, 16, 8192)]):
+        bufs = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in shapes]
+        got = np.asarray(take_slots_dma(bufs, jnp.asarray(slots)).astype(jnp.float32))
+        want = np.concatenate([np.asarray(b.astype(jnp.float32))[slots] for b in bufs], axis=1)
+        assert np.array_equal(got, want)
+
+
 def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
     from vllm_tpu_lora.layers.attention import attention_backend, paged_attention_tpu
     from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
@@ -182,7 +199,7 @@ def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
 
 # "auto" on a TPU with 4 slots x rank 16: the xla backend's TPU strategies (step_layout):
 # steps with 3 adapters fill the 4-slot bucket, every slot, and run "stacked"; smaller
-# buckets run "onehot" over sliced reads, or "single". "kernel": "auto" with its grouped
+# buckets run "onehot" over DMA-copied slots, or "single". "kernel": "auto" with its grouped
 # kernel threshold lowered so that the 32-token buckets of 2+ adapters (and the 16-token
 # one of 4) run the kernel under Mosaic inside the engine, beside the other graphs.
 @pytest.mark.parametrize("backend", ["pallas", "auto", "kernel"])

@@ -20,7 +20,8 @@ A packed layer
 slots strategy and the Pallas path instead run one product per slice, as concatenating
 would copy every slot's weights):
   - xla on a TPU, every graph with S >= 2 "onehot" (S = 1: "single"): the S active
-    adapters' weights copied out, one product over all of them in token order selected
+    adapters' weights copied out (one DMA kernel per buffer, ops/slot_copy.py, a packed
+    layer's A slices side by side), one product over all of them in token order selected
     by a [T, S] one-hot (no gather of rows, no scatter back); "stacked" (the one-hot over
     every slot as the buffers lie) where S is every slot. They measured faster there than
     every Pallas composition up to T*S*R = 2^19. With lora_backend="auto" on the jax
@@ -86,10 +87,14 @@ class PunicaWrapper:
         # rule).
         self.grouped_kernel_from: tuple[int, int] | None = None
         self.on_tpu = platform.is_tpu()  # the xla strategy table differs there
-        # The TPU's strategy table, with its reads of a step's slots as dynamic slices
-        # (ops.take_slots: a TPU lowers a gather over the slot axis reading every slot).
-        # Tests set it on CPU, where the buffers keep their CPU layout.
+        # The TPU's strategy table, with its copies of a step's slots by DMA (ops.take_slots:
+        # a TPU lowers a gather over the slot axis reading every slot, and dynamic slices
+        # as thousands of small ops). Tests set it on CPU, where the buffers keep their CPU
+        # layout.
         self.tpu_strategies = self.on_tpu
+        # How those graphs copy a step's slots out (ops.take_slots): None is the DMA kernel
+        # (interpreted off a TPU); benchmarks may set another to compare.
+        self.force_slot_copy: str | None = None
         self.num_active_slots = 0  # the slot bucket S of the graph being traced
         # Some layers hold per-slot vectors (LoRA bias, DoRA): every step then also carries
         # each token's device slot, whatever the strategy (see slot_rows).
@@ -334,14 +339,13 @@ class PunicaWrapper:
     def _single_slot_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
         # One shrink for every slice: A [D, n*R], or [n*R, D] rank-first (a TPU).
         dim = 1 if self.a_by_input else 0
-        a = torch.cat([self._take(la, self.step["slot"])[0] for la in lora_a],
-                      dim=dim).to(x.dtype)
+        a = self._take_one(lora_a, dim).to(x.dtype)
         return self._single_expand(y, x @ a if self.a_by_input else x @ a.T, lora_b)
 
     def _single_expand(self, y, xa, lora_b) -> torch.Tensor:
         """xa [T, n*R] in token order -> y + concat_i(xa_i @ B_i[slot].T), masked."""
-        slot, rank = self.step["slot"], lora_b[0].shape[1]
-        deltas = [xa[:, i * rank:(i + 1) * rank] @ self._take(lb, slot)[0].to(xa.dtype)
+        rank = lora_b[0].shape[1]
+        deltas = [xa[:, i * rank:(i + 1) * rank] @ self._take_one([lb], 0).to(xa.dtype)
                   for i, lb in enumerate(lora_b)]
         return self._add_masked(y, torch.cat(deltas, dim=1))
 
@@ -357,10 +361,10 @@ class PunicaWrapper:
         so selecting by multiplication is exact."""
         active = self.step["active_slots"]
         if self.a_by_input:
-            a = torch.cat([self._take(la, active) for la in lora_a], dim=2)  # [S, D, n*R]
+            a = self._take(lora_a, active, dim=2)  # [S, D, n*R]
             xa = torch.einsum("td,sdr->tsr", x, a.to(x.dtype))
         else:  # rank-first (a TPU): [S, n*R, D]
-            a = torch.cat([self._take(la, active) for la in lora_a], dim=1)
+            a = self._take(lora_a, active, dim=1)
             xa = torch.einsum("td,srd->tsr", x, a.to(x.dtype))
         return self._onehot_expand(y, xa * self._onehot(x.dtype)[:, :, None], lora_b)
 
@@ -374,8 +378,25 @@ class PunicaWrapper:
             deltas.append(xi @ b.reshape(s * rank, b.shape[2]))
         return y + torch.cat(deltas, dim=1).to(y.dtype)
 
-    def _take(self, buffers: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return ops.take_slots(buffers, slots, sliced=self.tpu_strategies)
+    @property
+    def slot_copy(self) -> str:
+        """ops.take_slots' copy: the TPU table's graphs copy a step's slots out by DMA
+        (its onehot with 32 of 128 slots in use: +2.4 ms of device time per decode step
+        on a v5e, against +9.0 ms as dynamic slices; docs/benchmarks.md, eighth
+        session), other graphs gather them."""
+        if not self.tpu_strategies:
+            return "gather"
+        return self.force_slot_copy or "dma"
+
+    def _take(self, buffers, slots: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return ops.take_slots(buffers, slots, copy=self.slot_copy, dim=dim)
+
+    def _take_one(self, buffers: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """The single strategy's slot of each buffer, concatenated along `dim` of a slot's
+        block: one dynamic slice each on the TPU table (XLA can read it in place as the
+        matmul's operand; a copy kernel would only add one)."""
+        copy = "gather" if self.slot_copy == "gather" else "slices"
+        return ops.take_slots(buffers, self.step["slot"], copy=copy, dim=dim + 1)[0]
 
     def _slot_onehot(self, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, N]: each token's device slot among all N (a zero row without adapter)."""

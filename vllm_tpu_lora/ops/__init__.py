@@ -59,21 +59,42 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
-def take_slots(buffers: torch.Tensor, slots: torch.Tensor, sliced: bool = False) -> torch.Tensor:
-    """buffers [N, ...], slots int [S] (each in range) -> [S, ...]: row i = buffers[slots[i]].
+# How a jax-runtime graph copies a step's slots out of the buffers (take_slots):
+SLOT_COPIES = ("gather", "slices", "dma")
 
-    sliced, inside a jax-runtime graph: S dynamic slices, concatenated. A TPU lowers a
-    gather over the slot axis (index_select, jnp.take) as a pass over all N slots: in a
-    v5e profile of a decode step, gathering 8 adapters' [16, 2048] rows took 0.6 us from 8
-    slots and 3.4 us from 32, ~the whole operand at HBM speed. Dynamic slices read the S
-    rows alone."""
+
+def take_slots(buffers: torch.Tensor | list[torch.Tensor], slots: torch.Tensor,
+               copy: str = "gather", dim: int = 1) -> torch.Tensor:
+    """buffers [N, ...], slots int [S] (each in range) -> [S, ...]: row i = buffers[slots[i]].
+    A list of buffers: each one's rows, concatenated along `dim` (a packed layer's slices).
+
+    copy, inside a jax-runtime graph (elsewhere always a gather):
+      "gather"  index_select. A TPU lowers a gather over the slot axis as a pass over all
+                N slots: in a v5e profile of a decode step, gathering 8 adapters' [16,
+                2048] rows took 0.6 us from 8 slots and 3.4 us from 32, ~the whole
+                operand at HBM speed.
+      "slices"  S dynamic slices, concatenated: they read the S rows alone, but as many
+                small ops (a step of 32 of 128 slots: +7.9 ms on a v5e, seventh session).
+      "dma"     one Pallas call of S DMAs per take (ops/slot_copy.py; interpreted off a
+                TPU), the slices written side by side."""
     from vllm_tpu_lora.torchax_compat import is_torchax_tensor
 
-    if sliced and is_torchax_tensor(buffers):
+    parts = list(buffers) if isinstance(buffers, (list, tuple)) else [buffers]
+    if copy not in SLOT_COPIES:
+        raise ValueError(f"unknown slot copy {copy!r}; expected one of {SLOT_COPIES}")
+    if copy != "gather" and is_torchax_tensor(parts[0]):
         from torchax import interop
 
-        return interop.call_jax(_sliced_take, buffers, slots)
-    return buffers.index_select(0, slots)
+        if copy == "dma":
+            from vllm_tpu_lora import platform
+            from vllm_tpu_lora.ops.slot_copy import take_slots_dma
+
+            return interop.call_jax(take_slots_dma, parts, slots.to(torch.int32),
+                                    axis=dim - 1, interpret=not platform.is_tpu())
+        taken = [interop.call_jax(_sliced_take, p, slots) for p in parts]
+    else:
+        taken = [p.index_select(0, slots) for p in parts]
+    return taken[0] if len(taken) == 1 else torch.cat(taken, dim=dim)
 
 
 def put_slots(buffers: torch.Tensor, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:

@@ -5,15 +5,15 @@ like grouped_lora.py.
 Why it was tried (issue 42): a decode step is bound by the bytes it reads, and the least
 it must read is its adapters' A and B once. XLA's one-hot reads more: "stacked" reads
 every device slot, used or not; "onehot" first copies the step's S slots out of the
-buffers (S dynamic slices, concatenated) and then reads the copy.
+buffers (ops/slot_copy.py) and then reads the copy.
 
 Measured on a v5e (2026-12-07, benchmarks/tpu_lora_layer.py, a Llama-3-8B layer at
 16-64 tokens over 8-64 adapters): correct under Mosaic, and 1.3-1.7x slower than
 onehot at every shape where the step uses its whole bucket, as the engine's steps do.
 One grid step per adapter at rank-16 width costs more than onehot's copy saves. The
 engine's table does not pick it; a benchmark can force it on every graph
-(`--force-strategy indexed`: where a step uses few of many slots, the engine's onehot
-measured far slower than the layer benchmark's, 2026-12-07). What
+(`--force-strategy indexed`; where a step uses few of many slots, onehot's copy was
+dynamic slices until the DMA copy replaced them, 2026-12-07). What
 it would need: several adapters per grid step (manual DMAs of arbitrary slots into one
 128-lane group, as grouped_lora.py's contiguous groups fill it).
 

@@ -1,0 +1,64 @@
+"""The DMA slot copy (ops/slot_copy.py) in the Pallas interpreter against numpy's take,
+through ops.take_slots on torchax tensors beside its other copies, and lowered for TPU
+(Mosaic) at the engine's shapes with jax.export."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from vllm_tpu_lora import ops
+from vllm_tpu_lora.ops.pallas_export import export_for_tpu
+from vllm_tpu_lora.ops.slot_copy import take_slots_dma
+
+
+def _buffers(rng, shapes, dtype=np.float32):
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_slices_land_side_by_side_in_slot_order(axis):
+    """Repeated slots, slot 0, the last slot; three slices of unequal width concatenated
+    along either axis of a slot's block: bit-exact to numpy."""
+    rng = np.random.default_rng(axis)
+    widths = (4, 4, 2)
+    shapes = [(6, w, 24) if axis == 0 else (6, 8, w) for w in widths]
+    bufs = _buffers(rng, shapes)
+    slots = np.array([5, 0, 5, 2], np.int32)
+    got = np.asarray(take_slots_dma([jnp.asarray(b) for b in bufs], jnp.asarray(slots),
+                                    axis=axis, interpret=True))
+    want = np.concatenate([b[slots] for b in bufs], axis=1 + axis)
+    assert got.shape == want.shape and np.array_equal(got, want)
+
+
+def test_take_slots_copies_agree_on_torchax_tensors():
+    """ops.take_slots inside a jax-runtime graph: the gather, the dynamic slices and the
+    DMA copy give one answer (bf16, a packed layer's A concatenated rank-wise)."""
+    import torchax
+
+    rng = np.random.default_rng(7)
+    bufs = [torch.from_numpy(b).to(torch.bfloat16) for b in _buffers(rng, [(5, 4, 16)] * 3)]
+    slots = torch.tensor([4, 1, 1], dtype=torch.int32)
+    want = torch.cat([b.index_select(0, slots.long()) for b in bufs], dim=1)
+    env = torchax.default_env()
+    with env:
+        tb, ts = [env.to_xla(b) for b in bufs], env.to_xla(slots)
+        for copy in ops.SLOT_COPIES:
+            got = ops.take_slots(tb, ts, copy=copy, dim=1)
+            assert torch.equal(got.cpu() if hasattr(got, "cpu") else got, want), copy
+    with pytest.raises(ValueError, match="unknown slot copy 'scatter'"):
+        ops.take_slots(bufs, slots, copy="scatter")
+
+
+def test_dma_copy_lowers_for_tpu_at_engine_shapes():
+    """Llama-3.2-1B's packed qkv A (three [16, 2048] slices) and its widest B ([16,
+    8192]), 32 of 128 slots, bf16: a Mosaic custom call each."""
+    slots = jax.ShapeDtypeStruct((32,), jnp.int32)
+    for shapes, axis in (([(128, 16, 2048)] * 3, 0), ([(128, 16, 8192)], 0)):
+        bufs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+        exported = export_for_tpu(lambda s, *b, axis=axis: take_slots_dma(list(b), s, axis=axis),
+                                  (slots, *bufs))
+        assert "tpu_custom_call" in exported.mlir_module()
+        out = exported.out_avals[0]
+        assert out.shape == (32, 16 * len(shapes), shapes[0][2]) and out.dtype == jnp.bfloat16
