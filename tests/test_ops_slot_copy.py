@@ -32,6 +32,20 @@ def test_slices_land_side_by_side_in_slot_order(axis):
     assert got.shape == want.shape and np.array_equal(got, want)
 
 
+def test_copies_past_the_in_flight_window_all_land(monkeypatch):
+    """More slots than may be in flight at once: the later starts wait for earlier
+    copies, and every slot still lands where it belongs."""
+    from vllm_tpu_lora.ops import slot_copy
+
+    monkeypatch.setattr(slot_copy, "IN_FLIGHT", 3)
+    rng = np.random.default_rng(3)
+    bufs = _buffers(rng, [(9, 2, 8), (9, 4, 8)])
+    slots = rng.integers(0, 9, size=7).astype(np.int32)
+    got = np.asarray(slot_copy.take_slots_dma.__wrapped__(
+        [jnp.asarray(b) for b in bufs], jnp.asarray(slots), interpret=True))
+    assert np.array_equal(got, np.concatenate([b[slots] for b in bufs], axis=1))
+
+
 def test_take_slots_copies_agree_on_torchax_tensors():
     """ops.take_slots inside a jax-runtime graph: the gather, the dynamic slices and the
     DMA copy give one answer (bf16, a packed layer's A concatenated rank-wise)."""
@@ -53,12 +67,14 @@ def test_take_slots_copies_agree_on_torchax_tensors():
 
 def test_dma_copy_lowers_for_tpu_at_engine_shapes():
     """Llama-3.2-1B's packed qkv A (three [16, 2048] slices) and its widest B ([16,
-    8192]), 32 of 128 slots, bf16: a Mosaic custom call each."""
-    slots = jax.ShapeDtypeStruct((32,), jnp.int32)
-    for shapes, axis in (([(128, 16, 2048)] * 3, 0), ([(128, 16, 8192)], 0)):
+    8192]), 32 of 128 slots, and a gate_up A over 64 of 256, bf16: a Mosaic custom call
+    each."""
+    for n, shapes in ((32, [(128, 16, 2048)] * 3), (32, [(128, 16, 8192)]),
+                      (64, [(256, 16, 2048)] * 2)):  # past the in-flight window
+        slots, axis = jax.ShapeDtypeStruct((n,), jnp.int32), 0
         bufs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
         exported = export_for_tpu(lambda s, *b, axis=axis: take_slots_dma(list(b), s, axis=axis),
                                   (slots, *bufs))
         assert "tpu_custom_call" in exported.mlir_module()
         out = exported.out_avals[0]
-        assert out.shape == (32, 16 * len(shapes), shapes[0][2]) and out.dtype == jnp.bfloat16
+        assert out.shape == (n, 16 * len(shapes), shapes[0][2]) and out.dtype == jnp.bfloat16

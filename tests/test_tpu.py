@@ -166,14 +166,17 @@ def test_indexed_kernel_on_mosaic_matches_float64(t, n, p, r, d, outs, dtype):
 def test_dma_slot_copy_on_mosaic_is_exact():
     """The onehot strategy's slot copy (ops/slot_copy.py) compiled by Mosaic: 32 of 128
     slots, repeats and the last slot among them, a packed qkv A's three slices side by
-    side and a wide B, bf16: bit-exact to numpy's take."""
+    side and a wide B, and 64 of 256 slots (more than may be in flight at once), bf16:
+    bit-exact to numpy's take."""
     import jax.numpy as jnp
 
     from vllm_tpu_lora.ops.slot_copy import take_slots_dma
 
     rng = np.random.default_rng(5)
-    slots = np.concatenate([[127, 0, 127], rng.integers(0, 128, 29)]).astype(np.int32)
-    for shapes in ([(128, 16, 2048)] * 3, [(128, 16, 8192)]):
+    some = np.concatenate([[127, 0, 127], rng.integers(0, 128, 29)]).astype(np.int32)
+    wide = np.concatenate([some, rng.integers(0, 256, 32)]).astype(np.int32)
+    for shapes, slots in (([(128, 16, 2048)] * 3, some), ([(128, 16, 8192)], some),
+                          ([(256, 16, 2048)] * 2, wide)):  # past the in-flight window
         bufs = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in shapes]
         got = np.asarray(take_slots_dma(bufs, jnp.asarray(slots)).astype(jnp.float32))
         want = np.concatenate([np.asarray(b.astype(jnp.float32))[slots] for b in bufs], axis=1)
