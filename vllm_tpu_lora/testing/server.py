@@ -66,7 +66,9 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                # A loaded host can take seconds to answer (Ray Serve's ingress forwards
+                # /health to a replica): a short timeout would cancel every answer.
+                if httpx.get(self.url + "/health", timeout=10).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
