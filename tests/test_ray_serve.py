@@ -60,7 +60,7 @@ def _server(llama_dir, adapters, *extra) -> RemoteServer:
             "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "4", "--max-lora-rank", "8",
             "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()],
             "--allowed-lora-dirs", os.path.dirname(next(iter(adapters.values()))), *extra]
-    srv = RemoteServer(args, command=SERVE_RAY, startup_timeout=420, stop_timeout=150,
+    srv = RemoteServer(args, command=SERVE_RAY, startup_timeout=900, stop_timeout=150,
                        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, api_key=KEY)
     try:  # /health answers once one replica is up: wait for both
         deadline = time.monotonic() + 300
