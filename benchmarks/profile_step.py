@@ -231,9 +231,9 @@ def decode_window(llm, work, loras, steps: int, trace_dir: str | None) -> int:
 
 
 def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
-                   slot_copy: str | None, first: bool) -> None:
-    """One engine's decode windows (the base one on the first engine only) and, on the
-    first, the anchor's."""
+                   slot_copy: str | None, base: bool, anchor: bool) -> None:
+    """One engine's decode windows (base: the base model's too, once per max_loras) and,
+    with `anchor`, the anchor's."""
     from vllm_tpu_lora import LLM, LoRARequest
 
     t0 = time.perf_counter()
@@ -252,7 +252,7 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
     for r in reqs:
         engine.add_lora(r)
     batch = work[: args.max_num_seqs]
-    for n in ((0,) if first else ()) + (args.adapters,):
+    for n in ((0,) if base else ()) + (args.adapters,):
         loras = [reqs[i % n] for i in range(len(batch))] if n else None
         label = f"engine_slots{max_loras}_adapters{n}" + (f"_{slot_copy}" if n and slot_copy
                                                            else "")
@@ -269,7 +269,7 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
               "forward_graph_steps": dict(engine.runner.forward_graph_steps)}, args.out)
         for row in module_rows(label, runs, by_module, scopes):
             emit(row, args.out)
-    if first:
+    if anchor:
         profile_anchor(llm, batch, args)
 
 
@@ -313,7 +313,8 @@ def main() -> int:
         work = make_workload(args)
         for i, max_loras in enumerate(args.max_loras):
             for j, copy in enumerate(args.slot_copies):
-                profile_engine(model_dir, paths, work, args, max_loras, copy, first=i == j == 0)
+                profile_engine(model_dir, paths, work, args, max_loras, copy, base=j == 0,
+                               anchor=i == j == 0)
     return 0
 
 
