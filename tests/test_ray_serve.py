@@ -50,6 +50,11 @@ def oracle(llama_dir, adapters):
     return load_oracle_model(llama_dir, adapters), AutoTokenizer.from_pretrained(llama_dir)
 
 
+# Serve gives its HTTP proxy 5 s to report ready, then kills and replaces it; on a 2-core
+# host busy with the rest of the suite the proxy missed that three times in a row and
+# serve.start failed ("The actor is dead because it was killed by `ray.kill`").
+RAY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+                "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 KEY = "ray-tenant-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -61,7 +66,8 @@ def _server(llama_dir, adapters, *extra) -> RemoteServer:
             "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()],
             "--allowed-lora-dirs", os.path.dirname(next(iter(adapters.values()))), *extra]
     srv = RemoteServer(args, command=SERVE_RAY, startup_timeout=900, stop_timeout=150,
-                       env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, api_key=KEY)
+                       env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", **RAY_PATIENCE},
+                       api_key=KEY)
     try:  # /health answers once one replica is up: wait for both
         deadline = time.monotonic() + 300
         while len(replica_stats(srv)) < 2:
