@@ -1,5 +1,5 @@
 """Shared fixtures: tiny real HF checkpoints made locally, and engines shared per session
-(each engine precompiles its graphs, ~1 s each on this CPU)."""
+(each engine precompiles its graphs, ~2 s each on a 2-core CPU at XLA's default -O2, a fraction of that at the -O0 set below)."""
 
 import os
 

@@ -1,6 +1,7 @@
 """The DMA slot copy (ops/slot_copy.py) in the Pallas interpreter against numpy's take,
 through ops.take_slots on torchax tensors beside its other copies, and lowered for TPU
-(Mosaic) at the engine's shapes with jax.export."""
+(Mosaic) at the engine's shapes with jax.export; and ops.put_slots, the slot writes, on
+torch_xla against numpy."""
 
 import jax
 import jax.numpy as jnp
@@ -78,3 +79,24 @@ def test_dma_copy_lowers_for_tpu_at_engine_shapes():
         assert "tpu_custom_call" in exported.mlir_module()
         out = exported.out_avals[0]
         assert out.shape == (n, 16 * len(shapes), shapes[0][2]) and out.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("slots", [[2], [3, 0, 1]])
+def test_put_slots_on_torch_xla_writes_each_row_to_its_slot_only(slots):
+    """A slot write as the LoRA manager's write graph makes it (rows flat, sliced from one
+    image), one row (written twice to its slot) or several: those slots hold the rows,
+    every other slot is untouched."""
+    from vllm_tpu_lora.platform import xla_device
+
+    rng = np.random.default_rng(len(slots))
+    buf = rng.standard_normal((4, 3, 5)).astype(np.float32)
+    image = rng.standard_normal(len(slots) * 15).astype(np.float32)
+    rows = [image[i * 15:(i + 1) * 15] for i in range(len(slots))]
+    dev = xla_device()
+    got = torch.from_numpy(buf).to(dev)
+    ops.put_slots(got, torch.tensor(slots).to(dev),
+                  [torch.from_numpy(r).to(dev) for r in rows])
+    want = buf.copy()
+    for slot, row in zip(slots, rows):
+        want[slot] = row.reshape(3, 5)
+    assert np.array_equal(got.cpu().numpy(), want)

@@ -507,7 +507,7 @@ def _write_slot_images(buffers: FixedTensors, flats: list[torch.Tensor], slots: 
     offset = 0
     for buf, shape in zip(buffers.value, shapes):
         n = math.prod(shape)
-        ops.put_slots(buf, slots, [flat[offset:offset + n].view(shape) for flat in flats])
+        ops.put_slots(buf, slots, [flat[offset:offset + n] for flat in flats])
         offset += n
     return []
 
