@@ -211,3 +211,21 @@ def test_benchmark_jax_runtime_forced_strategy_small_runs():
     assert any("/S1/" in g for g in labels)  # one adapter's steps too
     anchors = [r for r in rows if r["row"] == "anchor_lora"]
     assert [(r["form"], r["active"]) for r in anchors] == [("stacked", 2), ("dma", 2)]
+
+
+def test_warmup_writes_probe_small_runs():
+    """The warm-up probe times an engine's start-up and a write per batch size."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "warmup_writes.py")
+    out = subprocess.run([sys.executable, script, "--max-loras", "2", "--writes", "1", "2",
+                          "--hidden", "64", "--intermediate", "128", "--reps", "1"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    warm = [r for r in rows if r["row"] == "warmup"]
+    assert len(warm) == 1 and warm[0]["graphs"] > 0 and warm[0]["seconds"] > 0
+    writes = [r for r in rows if r["row"] == "slot_write"]
+    assert [r["adapters"] for r in writes] == [1, 2] and all(r["ms"] > 0 for r in writes)
