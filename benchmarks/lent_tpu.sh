@@ -25,7 +25,8 @@ python3 -c "import platform, torch, jax, transformers; print(platform.libc_ver()
 for what in "$@"; do
   case $what in
     # eval: TESTS_ARGS may quote a -k expression ("a or b").
-    tests) eval timeout 300 python3 -m pytest -q -rs -p no:cacheprovider ${TESTS_ARGS:-} tests/test_tpu.py 2>&1 | tee $OUT/tpu_tests.log | tail -40 ;;
+    # VLLM_TPU_LORA_TESTS_ON_TPU: tests/conftest.py leaves XLA's optimisation level alone.
+    tests) VLLM_TPU_LORA_TESTS_ON_TPU=1 eval timeout 300 python3 -m pytest -q -rs -p no:cacheprovider ${TESTS_ARGS:-} tests/test_tpu.py 2>&1 | tee $OUT/tpu_tests.log | tail -40 ;;
     sec) echo "t=$SECONDS" ;;
     # The whole log goes to $OUT as it is written: a call cut off at its limit still says how far it got.
     bench) timeout ${BENCH_S:-540} python3 -u benchmarks/benchmark_jax_runtime.py --out $OUT/jax_runtime.jsonl ${BENCH_ARGS:-} > $OUT/bench.log 2>&1; echo "bench rc $?"; tail -c 3000 $OUT/bench.log ;;

@@ -16,9 +16,12 @@ os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "128")
 
 
 def _on_a_tpu_host() -> bool:
+    """benchmarks/lent_tpu.sh says so (VLLM_TPU_LORA_TESTS_ON_TPU=1); otherwise a TPU's
+    device files or PJRT_DEVICE=TPU."""
     import glob
 
-    return (os.environ.get("PJRT_DEVICE", "CPU").upper() == "TPU"
+    return (os.environ.get("VLLM_TPU_LORA_TESTS_ON_TPU") == "1"
+            or os.environ.get("PJRT_DEVICE", "CPU").upper() == "TPU"
             or bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")))
 
 
