@@ -73,15 +73,15 @@ def main() -> int:
         llm = LLM(model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
                   max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
                   runtime=args.runtime)
-        stats = llm.llm_engine.stats()
-        emit({"row": "warmup", **common, "seconds": time.perf_counter() - start,
-              "graphs": stats["num_graphs"]}, args.out)
+        seconds = time.perf_counter() - start
         engine, manager = llm.llm_engine, llm.llm_engine.lora_manager
+        emit({"row": "warmup", **common, "seconds": seconds,
+              "graphs": engine.stats()["num_graphs"]}, args.out)
         hosts = []
         for i, path in enumerate(paths):
             engine.add_lora(LoRARequest(f"a{i}", i + 1, path))
             hosts.append(manager.registry.host_copy(i + 1))
-        wait = llm.llm_engine.runner.rt.to_host
+        wait = engine.runner.rt.to_host
         for k in args.writes:
             loads = [(slot, hosts[slot]) for slot in range(k)]
             manager.write_slots(loads)  # not timed: the first call of this size

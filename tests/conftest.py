@@ -1,5 +1,6 @@
 """Shared fixtures: tiny real HF checkpoints made locally, and engines shared per session
-(each engine precompiles its graphs, ~2 s each on a 2-core CPU at XLA's default -O2, a fraction of that at the -O0 set below)."""
+(each engine precompiles its graphs: ~2 s each on a 2-core CPU at XLA's default -O2, a
+fraction of that at the -O0 set below)."""
 
 import os
 
@@ -28,8 +29,9 @@ def _on_a_tpu_host() -> bool:
 # On a CPU host most of the suite's time is XLA:CPU compiling graphs, and LLVM's -O2 is
 # most of that: the LoRA slot-write graphs (slices of one flat image into ~56 stacked
 # buffers) took 70 of a tiny 4-slot engine's 91 s warm-up at -O2 (py-spy), and the engine
-# starts in 14 s at -O0 (one 4-slot write of 56 buffers alone: 56 s -> 1.3 s). Tests assert outputs, never speed (benchmarks/ measure speed, at the
-# default level), and -O0 keeps IEEE semantics as -O2 does (no fast-math either way).
+# starts in 14 s at -O0 (one 4-slot write of 56 buffers alone: 56 s -> 1.3 s). Tests
+# assert outputs, never speed (benchmarks/ measure speed, at the default level), and -O0
+# keeps IEEE semantics as -O2 does (no fast-math either way).
 # Servers and scripts the tests start inherit it; jaxlib and torch_xla both read it. Not
 # on a TPU host, whose compiler has its own levels. An explicit level in XLA_FLAGS wins.
 if not _on_a_tpu_host() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
