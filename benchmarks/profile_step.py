@@ -51,8 +51,11 @@ def parse_args() -> argparse.Namespace:
                    help="one engine per value, each profiled without and with LoRA")
     p.add_argument("--steps", type=int, default=5, help="decode steps per traced window")
     p.add_argument("--lora-backend", default="auto")
-    p.add_argument("--force-strategy", default=None, choices=FORCEABLE,
-                   help="every LoRA graph runs this xla strategy instead of the table's pick")
+    p.add_argument("--force-strategy", nargs="+", default=["table"],
+                   choices=["table", *FORCEABLE],
+                   help="every LoRA graph runs this xla strategy (\"table\": the table's "
+                        "pick); several: one window each on the same engine (a graph's key "
+                        "names its strategy, so each compiles its own)")
     p.add_argument("--slot-copies", nargs="+", default=[None], choices=[None, *SLOT_COPIES],
                    help="one engine per value (ops.take_slots' copy; default the engine's)")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
@@ -244,7 +247,8 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
               enable_prefix_caching=False, precompile=False, async_scheduling=False,
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30))
     engine = llm.llm_engine
-    force_strategy(engine, args.force_strategy, slot_copy)  # graphs traced lazily, below
+    strategies = [None if s == "table" else s for s in args.force_strategy]
+    force_strategy(engine, strategies[0], slot_copy)  # graphs traced lazily, below
     emit({"row": "engine", "max_loras": max_loras, "startup_s": time.perf_counter() - t0,
           "lora_backend": engine.runner.punica.backend, "force_strategy": args.force_strategy,
           "slot_copy": engine.runner.punica.slot_copy}, args.out)
@@ -252,10 +256,14 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
     for r in reqs:
         engine.add_lora(r)
     batch = work[: args.max_num_seqs]
-    for n in ((0,) if base else ()) + (args.adapters,):
+    windows = ([(0, None)] if base else []) + [(args.adapters, s) for s in strategies]
+    for n, strategy in windows:
         loras = [reqs[i % n] for i in range(len(batch))] if n else None
-        label = f"engine_slots{max_loras}_adapters{n}" + (f"_{slot_copy}" if n and slot_copy
+        if n:
+            force_strategy(engine, strategy, slot_copy)
+        label = (f"engine_slots{max_loras}_adapters{n}" + (f"_{slot_copy}" if n and slot_copy
                                                            else "")
+                 + (f"_{strategy}" if n and strategy else ""))
         t0 = time.perf_counter()
         decode_window(llm, batch, loras, 2, None)  # compiles what the window runs
         compiled_s = time.perf_counter() - t0

@@ -10,7 +10,8 @@ import pytest
 
 from vllm_tpu_lora.ops.indexed_lora import (
     VMEM_BUDGET_BYTES,
-    fitting_tile,
+    fitting_plan,
+    max_group,
     indexed_lora,
     token_tile,
     used_first,
@@ -134,17 +135,22 @@ def test_used_first_moves_used_positions_to_the_front(seed):
     assert np.all(new_pos < max(1, len(used)))
 
 
-def test_vmem_budget_halves_the_token_tile_then_refuses():
+def test_vmem_budget_halves_the_group_then_the_tile_then_refuses():
     assert token_tile(1) == 16 and token_tile(40) == 48 and token_tile(1000) == 128
-    assert vmem_bytes(128, 14336, (4096,), 16, "bfloat16") <= VMEM_BUDGET_BYTES
-    # Llama-3-8B's gate_up at rank 64: the accumulators of two 14336-wide slices.
-    tile = fitting_tile(128, 4096, (14336, 14336), 64, "bfloat16")
-    assert 16 <= tile <= 128 and vmem_bytes(tile, 4096, (14336, 14336), 64,
-                                            "bfloat16") <= VMEM_BUDGET_BYTES
+    # Groups fill 128 lanes where the rank is whole sublane tiles; else one adapter.
+    assert [max_group(r, 32, "bfloat16") for r in (8, 16, 64, 128)] == [1, 8, 2, 1]
+    assert max_group(8, 32, "float32") == 16 and max_group(16, 4, "bfloat16") == 4
+    assert vmem_bytes(128, 14336, (4096,), 16, "bfloat16", 8) <= VMEM_BUDGET_BYTES
+    # Llama-3-8B's gate_up at rank 64: two groups of two 14336-wide B slices do not fit
+    # beside the accumulators; the group goes to one adapter before the tile shrinks.
+    assert vmem_bytes(128, 4096, (14336, 14336), 64, "bfloat16", 2) > VMEM_BUDGET_BYTES
+    tile, group = fitting_plan(128, 4096, (14336, 14336), 64, "bfloat16", 2)
+    assert group == 1 and 16 <= tile <= 128
+    assert vmem_bytes(tile, 4096, (14336, 14336), 64, "bfloat16", group) <= VMEM_BUDGET_BYTES
     # Rank 512 at Qwen2.5-7B's MLP width: B alone is 19 MB a buffer, no token tile fits;
     # refused, naming the shape (the one-hot and grouped paths tile O there).
     with pytest.raises(ValueError, match=r"indexed_lora: D=3584, outputs \(18944,\) at rank 512"):
-        fitting_tile(128, 3584, (18944,), 512, "bfloat16")
+        fitting_plan(128, 3584, (18944,), 512, "bfloat16")
 
 
 # Llama-3-8B's linears at decode and prefill shapes: Mosaic's lowering accepts them.

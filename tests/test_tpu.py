@@ -205,7 +205,9 @@ def test_ragged_paged_attention_kernel_matches_hf(llama_dir):
 # buckets run "onehot" over DMA-copied slots, or "single". "kernel": "auto" with its grouped
 # kernel threshold lowered so that the 32-token buckets of 2+ adapters (and the 16-token
 # one of 4) run the kernel under Mosaic inside the engine, beside the other graphs.
-@pytest.mark.parametrize("backend", ["pallas", "auto", "kernel"])
+# "indexed": the indexed kernel (groups of adapters fetched by its own DMAs) forced on
+# every LoRA graph.
+@pytest.mark.parametrize("backend", ["pallas", "auto", "kernel", "indexed"])
 def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, backend):
     from vllm_tpu_lora.testing.factory import make_peft_adapter
     from vllm_tpu_lora.testing.oracle import hf_greedy, load_oracle_model
@@ -219,12 +221,14 @@ def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, 
     prompts = [rng.integers(3, 500, size=int(rng.integers(2, 50))).tolist() for _ in range(8)]
     picks = [[*specs, None][i % 4] for i in range(8)]
     llm = LLM(llama_dir, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
-              lora_backend="auto" if backend == "kernel" else backend, precompile=False,
+              lora_backend=backend if backend in ("pallas", "auto") else "auto", precompile=False,
               **SMALL_ENGINE)
     runner = llm.llm_engine.runner
     assert runner.punica.backend == ("pallas" if backend == "pallas" else "xla")
     if backend == "kernel":
         runner.punica.grouped_kernel_from = (32 * 2 * 16, 2 * 16)
+    if backend == "indexed":
+        runner.punica.force_strategy = "indexed"
     runner.precompile()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=[reqs[n] if n else None for n in picks])
@@ -238,6 +242,8 @@ def test_multi_lora_generation_on_tpu_matches_peft(llama_dir, tmp_path_factory, 
         assert kinds - {"base"} == {"pallas"}, kinds
     elif backend == "auto":
         assert "stacked" in kinds and kinds <= {"base", "onehot", "stacked", "single"}, kinds
+    elif backend == "indexed":
+        assert kinds - {"base"} == {"indexed"}, kinds
     else:
         assert "grouped_kernel" in kinds, kinds
 

@@ -164,6 +164,8 @@ class PunicaWrapper:
         if strategy == "split":
             return step_layout.split_layout(token_pos, active_slots, num_slots)
         arrays = step_layout.onehot_layout(token_pos, active_slots, num_slots)
+        if strategy == "indexed":  # its kernel fetches only the step's adapters
+            arrays["active_count"] = np.array([len(active_slots)], np.int32)
         if self.grouped_kernel:  # the linears' token slots; the embedding's segment layout
             arrays.update(step_layout.token_slot_layout(token_pos, active_slots))
             arrays.update(step_layout.segment_layout(token_pos, active_slots, num_slots, block))
@@ -550,7 +552,7 @@ class PunicaWrapper:
         if self.a_by_input:
             lora_a = [la.transpose(1, 2) for la in lora_a]
         delta = indexed_linear(x, self.step["token_lora_idx"], self.step["active_slots"],
-                               lora_a, lora_b)
+                               lora_a, lora_b, self.step["active_count"])
         return y + delta.to(y.dtype)
 
     def _host_layout(self) -> ops.SegmentLayout:

@@ -177,12 +177,15 @@ def indexed_linear(
     active_slots: torch.Tensor,
     lora_a: list[torch.Tensor],
     lora_b: list[torch.Tensor],
+    count: torch.Tensor | None = None,
     *,
     interpret: bool | None = None,
 ) -> torch.Tensor:
     """Semantics: delta[t] = concat_i(x[t] @ lora_a[i][s].T @ lora_b[i][s]) for the device
     slot s = active_slots[token_lora_idx[t]], 0 where token_lora_idx[t] = -1
     (ops/indexed_lora.py: each adapter the step uses read once at its slot by the kernel).
+    count int32 [1]: the step's adapters, listed first in active_slots (None: the kernel's
+    wrapper finds the used positions on the device).
 
     Shapes: x [T, D], lora_a[i] [N, R, D], lora_b[i] [N, R, O_i] (rank-first) ->
     [T, sum O_i] (x.dtype). The jax runtime only (torchax tensors): every slice in one
@@ -196,9 +199,10 @@ def indexed_linear(
     cdt = _compute_dtype(x.dtype)
     fn = _bound(indexed_lora, interpret=interpret, precision=jax_matmul_precision())
     weights = [(a.to(cdt), b.to(cdt)) for a, b in zip(lora_a, lora_b)]
+    extra = () if count is None else (count.to(torch.int32),)
     return interop.call_jax(traced_without_x64(fn), x.to(cdt), weights,
                             token_lora_idx.to(torch.int32),
-                            active_slots.to(torch.int32)).to(x.dtype)
+                            active_slots.to(torch.int32), *extra).to(x.dtype)
 
 
 def segment_shrink(

@@ -1,39 +1,38 @@
 """The LoRA delta of a decode-sized step as one Pallas kernel per linear that reads each
-adapter the step uses straight from the slot buffers, once. JAX only (no torch import),
-like grouped_lora.py.
+adapter the step uses straight from the slot buffers, once, several adapters at a time.
+JAX only (no torch import), like grouped_lora.py.
 
-Why it was tried (issue 42): a decode step is bound by the bytes it reads, and the least
-it must read is its adapters' A and B once. XLA's one-hot reads more: "stacked" reads
-every device slot, used or not; "onehot" first copies the step's S slots out of the
-buffers (ops/slot_copy.py) and then reads the copy.
+Why (issue 42): a decode step is bound by the bytes it reads, and the least it must read
+is its adapters' A and B once. XLA's one-hot reads more: "stacked" reads every device
+slot, used or not; "onehot" first copies the step's S slots out of the buffers
+(ops/slot_copy.py, HBM -> HBM) and then reads the copy, and slices it again (on a v5e,
+32 of 128 slots in the engine's decode step: +2.37 ms, 0.91 ms of it the copies).
 
-Measured on a v5e (2026-12-07, benchmarks/tpu_lora_layer.py, a Llama-3-8B layer at
-16-64 tokens over 8-64 adapters): correct under Mosaic, and 1.3-1.7x slower than
-onehot at every shape where the step uses its whole bucket, as the engine's steps do.
-One grid step per adapter at rank-16 width costs more than onehot's copy saves. The
-engine's table does not pick it; a benchmark can force it on every graph
-(`--force-strategy indexed`; where a step uses few of many slots, onehot's copy was
-dynamic slices until the DMA copy replaced them, 2026-12-07). What
-it would need: several adapters per grid step (manual DMAs of arbitrary slots into one
-128-lane group, as grouped_lora.py's contiguous groups fill it).
+History: the first form (2026-12-07) ran one grid step per adapter, its BlockSpec
+fetching that adapter's A and B. It was correct under Mosaic and 1.3-1.7x slower than
+onehot in the layer benchmark: at rank 16 each grid step did a 16-wide matmul and a
+64 KB fetch, and the fixed cost per step dominated. Now a grid step takes a *group* of
+G adapters, G*R = 128 lanes (the MXU's width) where the rank allows, fetched by the
+kernel's own DMAs from the slots the scalar-prefetched list names, double-buffered: the
+next group's copies run while this group computes.
 
 Formulation. The step's adapters are given as the onehot strategy's arrays: their
 device slots (`active_slots`, padded) and each token's position among them
-(`token_lora_idx`, -1: no adapter). The wrapper first moves the positions some token
-uses to the front (so a bucket padded past the step's adapters costs nothing) and
-counts them. The grid is (token tiles, positions); each step's BlockSpec fetches its
-adapter's A [R, D] and B [R, O] of every slice of the linear at the slot the
-scalar-prefetched list names (no copy of the weights, no gather), and
+(`token_lora_idx`, -1: no adapter). With the host's count (the engine's steps list their
+adapters first) they are used as given; without it the wrapper moves the positions some
+token uses to the front and counts them on the device. The grid is (token tiles,
+groups); group g holds positions g*G .. g*G+G-1, and
 
-    h    = x_tile [TM, D] @ A_s.T         the shrink, [TM, R] per slice
-    h   *= (token's position == this one)  keep the tokens on this adapter
-    acc += h @ B_s                        the expand, accumulated in VMEM per slice
+    h    = x_tile [TM, D] @ A_g.T              the shrink, [TM, G*R] per slice
+    h    = where(token's position == column's, h, 0)
+    acc += h @ B_g                             the expand [G*R, O], accumulated in VMEM
 
-Positions past the count re-point at the last used one (no DMA) and skip the math.
-Every tile reads every used adapter, so FLOPs are 2 * T * P * R * (D + O) for P used
-adapters at rank-R MXU width: this is a kernel for steps of up to a tile or two of
+Groups past the count are neither fetched nor computed. A position past the count
+inside the last group fetches position 0's adapter instead (a used one: finite weights
+whatever the unused slots hold) and its columns are masked out. FLOPs are
+2 * T * P * R * (D + O) for P used adapters: a kernel for steps of a tile or two of
 tokens (decodes), where bytes dominate; larger steps belong to the grouped kernel or
-one-hot. Unused slots are never read, so NaN in them cannot leak.
+one-hot.
 """
 
 from __future__ import annotations
@@ -50,39 +49,59 @@ from vllm_tpu_lora.ops.grouped_lora import token_tile  # the same tiles: up to 1
 from vllm_tpu_lora.ops.pallas_kernels import _check_precision, _nt_dot, dot_precision
 
 VMEM_BUDGET_BYTES = 32 * vmem.MiB
+LANES = 128  # a group's ranks side by side fill the MXU's width
 
 
-def vmem_bytes(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype) -> int:
-    """Estimated VMEM of one instance (ops/vmem.py's rules): double-buffered x, position,
-    A, B and output blocks of every slice, the float32 accumulators, and temporaries
-    (the shrink's float32 result and its cast, the expand's float32 product, A relaid
-    out for the NT shrink)."""
-    s, pad = vmem.itemsize(dtype), vmem.padded_block_bytes
-    blocks = pad(tile, d, s) + pad(tile, 1, 4) + sum(
-        pad(rank, d, s) + pad(rank, o, s) + pad(tile, o, s) for o in outs)
+def max_group(rank: int, num_positions: int, dtype) -> int:
+    """G: adapters per grid step, G*R <= 128. A group is merged into one [G*R, D] matrix
+    in VMEM, which Mosaic does without a relayout only when R is whole sublane tiles
+    (8 rows of 32-bit, 16 of 16-bit); other ranks run one adapter a step."""
+    sublanes = 8 * 4 // vmem.itemsize(dtype)
+    if rank % sublanes or rank >= LANES:
+        return 1
+    return max(1, min(LANES // rank, num_positions))
+
+
+def vmem_bytes(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype,
+               group: int = 1) -> int:
+    """Estimated VMEM of one instance (ops/vmem.py's rules): double-buffered x, position
+    and output blocks, two groups of A and B per slice (the one computing, the one in
+    flight), the float32 accumulators, and temporaries (the shrink's float32 result and
+    its cast, the expand's float32 product, a group's A merged for the NT shrink)."""
+    s, pad, lanes = vmem.itemsize(dtype), vmem.padded_block_bytes, group * rank
+    blocks = pad(tile, d, s) + pad(tile, 1, 4) + sum(pad(tile, o, s) for o in outs)
+    groups = 2 * group * sum(pad(rank, d, s) + pad(rank, o, s) for o in outs)
     scratch = sum(pad(tile, o, 4) for o in outs)
     widest = max(outs)
-    temps = pad(tile, rank, 4) + pad(tile, rank, s) + pad(tile, widest, 4) + pad(d, rank, s)
-    return 2 * blocks + scratch + temps
+    temps = (pad(tile, lanes, 4) + pad(tile, lanes, s) + pad(tile, widest, 4)
+             + pad(lanes, d, s))
+    return 2 * blocks + groups + scratch + temps
 
 
-def fitting_tile(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype) -> int:
-    """The token tile halved (down to 16 rows) until the estimate fits the budget; a
-    shape that does not fit even then is refused."""
-    while vmem_bytes(tile, d, outs, rank, dtype) > VMEM_BUDGET_BYTES and tile > 16:
-        tile //= 2
-    limit = vmem.required_limit_bytes(vmem_bytes(tile, d, outs, rank, dtype))
+def fitting_plan(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype,
+                 group: int = 1) -> tuple[int, int]:
+    """(token tile, group) within the budget: the group halved first (a step's tokens
+    in one tile read each adapter once), then the token tile (down to 16 rows); a shape
+    that does not fit even then is refused."""
+    while vmem_bytes(tile, d, outs, rank, dtype, group) > VMEM_BUDGET_BYTES:
+        if group > 1:
+            group //= 2
+        elif tile > 16:
+            tile //= 2
+        else:
+            break
+    limit = vmem.required_limit_bytes(vmem_bytes(tile, d, outs, rank, dtype, group))
     if limit > vmem.VMEM_LIMIT_CEILING_BYTES:
         raise ValueError(f"indexed_lora: D={d}, outputs {outs} at rank {rank}, tile {tile} "
                          f"{vmem.dtype_name(dtype)} need ~{limit // vmem.MiB} MiB of VMEM, "
                          f"more than the {vmem.VMEM_LIMIT_CEILING_BYTES // vmem.MiB} MiB allowed")
-    return tile
+    return tile, group
 
 
 def used_first(token_lora_idx: jax.Array, active_slots: jax.Array):
     """(slots [P], positions [T], count [1]): the positions some token uses moved to the
     front, in order, their device slots, each token's new position, and how many are
-    used. Small integer ops, once per step."""
+    used. Small integer ops, once per call (the engine passes its host's count)."""
     p = active_slots.shape[0]
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     pos = token_lora_idx.astype(jnp.int32)
@@ -95,47 +114,84 @@ def used_first(token_lora_idx: jax.Array, active_slots: jax.Array):
     return active_slots.astype(jnp.int32)[order], tokens, count
 
 
-def _kernel(count_ref, slot_ref, x_ref, pos_ref, *refs, n_slices, precision):
-    a_refs, b_refs = refs[:n_slices], refs[n_slices:2 * n_slices]
-    o_refs, acc_refs = refs[2 * n_slices:3 * n_slices], refs[3 * n_slices:]
-    i, n = pl.program_id(1), pl.num_programs(1)
+def _kernel(count_ref, slot_ref, x_ref, pos_ref, *refs, n_slices, group, precision):
+    n = n_slices
+    hbm = refs[:2 * n]  # A_0 .. A_n-1, B_0 .. B_n-1: [N, R, *] where the buffers lie
+    o_refs = refs[2 * n:3 * n]
+    bufs = refs[3 * n:5 * n]  # the same order, [2, G, R, *] in VMEM
+    acc_refs, sem = refs[5 * n:6 * n], refs[6 * n]
+    # int32 constants throughout: under torchax x64 a Python int would trace as int64.
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    g, last = pl.program_id(1), pl.num_programs(1) - i32(1)
+    count = count_ref[0]
+    used_groups = (count + i32(group - 1)) // i32(group)
 
-    @pl.when(i == jnp.int32(0))
+    def copies(grp, buf):
+        out = []
+        for j in range(group):
+            p = i32(grp) * i32(group) + i32(j)
+            slot = slot_ref[jnp.where(p < count, p, i32(0))]  # past the count: position 0's
+            out += [pltpu.make_async_copy(src.at[slot], dst.at[buf, j], sem.at[buf])
+                    for src, dst in zip(hbm, bufs)]
+        return out
+
+    @pl.when(g == i32(0))
     def _init():
         for acc in acc_refs:
             acc[...] = jnp.zeros_like(acc)
 
-    @pl.when(i < count_ref[0])
+        @pl.when(used_groups > i32(0))
+        def _first():
+            for c in copies(0, i32(0)):
+                c.start()
+
+    @pl.when(g + i32(1) < used_groups)
+    def _prefetch():  # into the buffer the previous group has finished with
+        for c in copies(g + i32(1), (g + i32(1)) % i32(2)):
+            c.start()
+
+    @pl.when(g < used_groups)
     def _delta():
+        buf = g % i32(2)
+        for c in copies(g, buf):
+            c.wait()
         x = x_ref[...]
-        own = pos_ref[...] == i
-        for a, b, acc in zip(a_refs, b_refs, acc_refs):
-            h = _nt_dot(x, a[...], precision)  # [TM, R] float32
+        rank = bufs[0].shape[2]
+        lanes = group * rank
+        # Column c of the group belongs to its position c // R; a token keeps the
+        # columns of its own position (range tests: no vector integer division).
+        first = (pos_ref[...] - g * i32(group)) * i32(rank)  # [TM, 1]
+        col = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], lanes), 1)
+        own = (col >= first) & (col < first + i32(rank))
+        for a, b, acc in zip(bufs[:n], bufs[n:], acc_refs):
+            h = _nt_dot(x, _merged(a, buf, lanes), precision)  # [TM, G*R] float32
             h = jnp.where(own, h, jnp.zeros_like(h)).astype(x.dtype)
             acc[...] += jax.lax.dot_general(
-                h, b[...], (((1,), (0,)), ((), ())),
+                h, _merged(b, buf, lanes), (((1,), (0,)), ((), ())),
                 precision=dot_precision(h.dtype, precision),
                 preferred_element_type=jnp.float32)
 
-    @pl.when(i == n - jnp.int32(1))
+    @pl.when(g == last)
     def _store():
         for o, acc in zip(o_refs, acc_refs):
             o[...] = acc[...].astype(o.dtype)
 
 
-def _slot_at(i, count_ref, slot_ref):
-    # Positions past the count re-point at the last used one: no new DMA.
-    return slot_ref[jnp.maximum(jnp.minimum(i, count_ref[0] - 1), 0)]
+def _merged(ref, buf, lanes):
+    """A group's [G, R, F] in buffer `buf` as one [G*R, F] matrix."""
+    if ref.shape[1] == 1:
+        return ref[buf, jnp.int32(0)]
+    return ref[buf].reshape(lanes, ref.shape[3])
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "interpret", "precision"))
-def indexed_kernel(slots, positions, count, x, weights, *, tile, interpret=False,
+@functools.partial(jax.jit, static_argnames=("tile", "group", "interpret", "precision"))
+def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, interpret=False,
                    precision="default"):
     """Semantics: out_i[t] = x[t] @ A_i[slots[p]].T @ B_i[slots[p]] for p = positions[t]
     < count[0], 0 where p = -1, per slice i of weights [(A_i [N, R, D], B_i [N, R, O_i])]
     (rank-first, as a TPU's slot buffers hold them). x [T_pad, D] with T_pad % tile == 0;
-    positions int32 [T_pad, 1]. Returns [out_i [T_pad, O_i]] (x.dtype), float32
-    accumulation."""
+    positions int32 [T_pad, 1]; `group` adapters per grid step. Returns
+    [out_i [T_pad, O_i]] (x.dtype), float32 accumulation."""
     (t_pad, d), p = x.shape, slots.shape[0]
     r = weights[0][0].shape[1]
     outs = tuple(b.shape[2] for _, b in weights)
@@ -146,20 +202,25 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, interpret=False
     if t_pad % tile:
         raise ValueError(f"indexed_kernel: token tile {tile} must divide T_pad={t_pad}")
     _check_precision(precision)
-    limit = vmem.explicit_vmem_limit(vmem_bytes(tile, d, outs, r, x.dtype))
-    slot_map = lambda t, i, c, s: (_slot_at(i, c, s), 0, 0)  # noqa: E731
+    groups = -(-p // group)
+    if groups * group > p:  # read only below the count, but in range for the prefetch
+        slots = jnp.concatenate([slots, jnp.zeros(groups * group - p, jnp.int32)])
+    limit = vmem.explicit_vmem_limit(vmem_bytes(tile, d, outs, r, x.dtype, group))
+    any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(t_pad // tile, p),
-        in_specs=[pl.BlockSpec((tile, d), lambda t, i, c, s: (t, 0)),
-                  pl.BlockSpec((tile, 1), lambda t, i, c, s: (t, 0)),
-                  *[pl.BlockSpec((None, r, d), slot_map) for _ in weights],
-                  *[pl.BlockSpec((None, r, o), slot_map) for o in outs]],
-        out_specs=[pl.BlockSpec((tile, o), lambda t, i, c, s: (t, 0)) for o in outs],
-        scratch_shapes=[pltpu.VMEM((tile, o), jnp.float32) for o in outs],
+        grid=(t_pad // tile, groups),
+        in_specs=[pl.BlockSpec((tile, d), lambda t, g, c, s: (t, 0)),
+                  pl.BlockSpec((tile, 1), lambda t, g, c, s: (t, 0)),
+                  *[any_space] * (2 * len(weights))],
+        out_specs=[pl.BlockSpec((tile, o), lambda t, g, c, s: (t, 0)) for o in outs],
+        scratch_shapes=[*[pltpu.VMEM((2, group, r, d), x.dtype) for _ in outs],
+                        *[pltpu.VMEM((2, group, r, o), x.dtype) for o in outs],
+                        *[pltpu.VMEM((tile, o), jnp.float32) for o in outs],
+                        pltpu.SemaphoreType.DMA((2,))],
     )
     return pl.pallas_call(
-        functools.partial(_kernel, n_slices=len(weights), precision=precision),
+        functools.partial(_kernel, n_slices=len(weights), group=group, precision=precision),
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((t_pad, o), x.dtype) for o in outs],
         compiler_params=pltpu.CompilerParams(
@@ -170,8 +231,8 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, interpret=False
       *[b.astype(x.dtype) for _, b in weights])
 
 
-def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, interpret=False,
-                 precision="default"):
+def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, group=None,
+                 interpret=False, precision="default"):
     """The LoRA delta of every slice of a linear: [T, sum of O] (x.dtype), token t's slice
     i = x[t] @ A_i[s].T @ B_i[s] for s = active_slots[token_lora_idx[t]], 0 where
     token_lora_idx[t] = -1.
@@ -181,10 +242,13 @@ def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, interp
     strategy's arrays, lora/step_layout.onehot_layout). count int32 [1]: how many of
     active_slots some token uses, all of them first (the engine's steps: the host lists
     only the step's adapters); None: found on the device (used_first), a few small ops
-    per call."""
+    per call. group: adapters per grid step (None: as many as fill 128 lanes, halved
+    while VMEM is short)."""
     t, d = x.shape
-    r = weights[0][0].shape[1]
-    tile = fitting_tile(token_tile(t), d, tuple(b.shape[2] for _, b in weights), r, x.dtype)
+    r, p = weights[0][0].shape[1], active_slots.shape[0]
+    outs = tuple(b.shape[2] for _, b in weights)
+    start = max_group(r, p, x.dtype) if group is None else group
+    tile, group = fitting_plan(token_tile(t), d, outs, r, x.dtype, start)
     t_pad = -(-t // tile) * tile
     if count is None:
         slots, positions, count = used_first(token_lora_idx, active_slots)
@@ -195,6 +259,6 @@ def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, interp
         x = jnp.concatenate([x, jnp.zeros((t_pad - t, d), x.dtype)])
         positions = jnp.concatenate([positions, jnp.full((t_pad - t,), -1, jnp.int32)])
     outs = indexed_kernel(slots, positions[:, None], count, x, weights, tile=tile,
-                          interpret=interpret, precision=precision)
+                          group=group, interpret=interpret, precision=precision)
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     return out[:t]
