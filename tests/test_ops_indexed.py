@@ -11,8 +11,8 @@ import pytest
 from vllm_tpu_lora.ops.indexed_lora import (
     VMEM_BUDGET_BYTES,
     fitting_plan,
-    max_group,
     indexed_lora,
+    max_group,
     token_tile,
     used_first,
     vmem_bytes,
