@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import enable_x64
 
 from vllm_tpu_lora.ops.indexed_lora import (
     VMEM_BUDGET_BYTES,
@@ -104,6 +105,32 @@ def test_indexed_kernel_with_the_hosts_count():
     assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < 1e-5
 
 
+@pytest.mark.parametrize("group,depth", [(1, 1), (2, 2), (4, 3), (2, 4)])
+def test_indexed_kernel_group_and_depth(group, depth):
+    """Any group size and any number of groups fetched ahead give the same delta: 11 of
+    12 positions used (the last group partly), the unused slots NaN."""
+    rng = np.random.default_rng(group * 10 + depth)
+    t, n, p, used, r, d, outs = 20, 24, 12, 11, 8, 128, (128, 256)
+    active = np.zeros(p, np.int32)
+    active[:used] = rng.choice(n, size=used, replace=False)
+    pos = rng.integers(-1, used, size=t).astype(np.int32)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    weights = [(rng.standard_normal((n, r, d)).astype(np.float32) / np.sqrt(d),
+                rng.standard_normal((n, r, o)).astype(np.float32) / np.sqrt(r)) for o in outs]
+    for a, b in weights:
+        a[sorted(set(range(n)) - set(active[:used].tolist()))] = np.nan
+        b[sorted(set(range(n)) - set(active[:used].tolist()))] = np.nan
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(indexed_lora(jnp.asarray(x), [tuple(map(jnp.asarray, w)) for w in weights],
+                                      jnp.asarray(pos), jnp.asarray(active),
+                                      jnp.asarray([used], np.int32), group=group, depth=depth,
+                                      interpret=True, precision="highest"))
+    ref = _reference(x.astype(np.float64), [(a.astype(np.float64), b.astype(np.float64))
+                                            for a, b in weights], active, pos)
+    assert np.isfinite(got).all() and np.all(got[pos < 0] == 0)
+    assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < 1e-5
+
+
 def test_indexed_kernel_bfloat16():
     rng = np.random.default_rng(4)
     t, n, p, r, d, o = 48, 16, 8, 16, 256, 384
@@ -135,7 +162,7 @@ def test_used_first_moves_used_positions_to_the_front(seed):
     assert np.all(new_pos < max(1, len(used)))
 
 
-def test_vmem_budget_halves_the_group_then_the_tile_then_refuses():
+def test_vmem_budget_lowers_depth_then_group_then_tile_then_refuses():
     assert token_tile(1) == 16 and token_tile(40) == 48 and token_tile(1000) == 128
     # Groups fill 128 lanes where the rank is whole sublane tiles; else one adapter.
     assert [max_group(r, 32, "bfloat16") for r in (8, 16, 64, 128)] == [1, 8, 2, 1]
@@ -144,9 +171,12 @@ def test_vmem_budget_halves_the_group_then_the_tile_then_refuses():
     # Llama-3-8B's gate_up at rank 64: two groups of two 14336-wide B slices do not fit
     # beside the accumulators; the group goes to one adapter before the tile shrinks.
     assert vmem_bytes(128, 4096, (14336, 14336), 64, "bfloat16", 2) > VMEM_BUDGET_BYTES
-    tile, group = fitting_plan(128, 4096, (14336, 14336), 64, "bfloat16", 2)
-    assert group == 1 and 16 <= tile <= 128
-    assert vmem_bytes(tile, 4096, (14336, 14336), 64, "bfloat16", group) <= VMEM_BUDGET_BYTES
+    tile, group, depth = fitting_plan(128, 4096, (14336, 14336), 64, "bfloat16", 2, 4)
+    assert depth == 2 and group == 1 and 16 <= tile <= 128
+    assert vmem_bytes(tile, 4096, (14336, 14336), 64, "bfloat16", group,
+                      depth) <= VMEM_BUDGET_BYTES
+    # Llama-3.2-1B's qkv at decode keeps 3 groups in flight ahead of the one computing.
+    assert fitting_plan(32, 2048, (2048, 512, 512), 16, "bfloat16", 8) == (32, 8, 4)
     # Rank 512 at Qwen2.5-7B's MLP width: B alone is 19 MB a buffer, no token tile fits;
     # refused, naming the shape (the one-hot and grouped paths tile O there).
     with pytest.raises(ValueError, match=r"indexed_lora: D=3584, outputs \(18944,\) at rank 512"):
@@ -160,10 +190,14 @@ LOWERED = [(16, 128, 16, 16, 4096, (4096, 1024, 1024)), (128, 128, 32, 64, 14336
 
 @pytest.mark.parametrize("t,n,p,r,d,outs", LOWERED)
 def test_indexed_kernel_lowers_for_tpu(t, n, p, r, d, outs):
+    """Under x64 too, as the jax runtime traces it (torchax enables x64), with the host's
+    count as the engine passes it: every constant the kernel compares stays int32."""
     bf = jnp.bfloat16
     args = (jax.ShapeDtypeStruct((t, d), bf),
             [(jax.ShapeDtypeStruct((n, r, d), bf), jax.ShapeDtypeStruct((n, r, o), bf))
              for o in outs],
-            jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((p,), jnp.int32))
-    exported = export_for_tpu(lambda x, w, ti, sl: indexed_lora(x, w, ti, sl), args)
+            jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((p,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32))
+    with enable_x64(True):
+        exported = export_for_tpu(lambda x, w, ti, sl, c: indexed_lora(x, w, ti, sl, c), args)
     assert "tpu_custom_call" in exported.mlir_module()

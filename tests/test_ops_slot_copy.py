@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from jax.experimental import enable_x64
 
 from vllm_tpu_lora import ops
 from vllm_tpu_lora.ops.pallas_export import export_for_tpu
@@ -66,16 +67,19 @@ def test_take_slots_copies_agree_on_torchax_tensors():
         ops.take_slots(bufs, slots, copy="scatter")
 
 
-def test_dma_copy_lowers_for_tpu_at_engine_shapes():
+@pytest.mark.parametrize("x64", [False, True])
+def test_dma_copy_lowers_for_tpu_at_engine_shapes(x64):
     """Llama-3.2-1B's packed qkv A (three [16, 2048] slices) and its widest B ([16,
     8192]), 32 of 128 slots, and a gate_up A over 64 of 256, bf16: a Mosaic custom call
-    each."""
+    each. x64: as the jax runtime traces it (torchax enables x64), where a Python int
+    constant in the kernel became int64 and Mosaic refused it (found on the chip)."""
     for n, shapes in ((32, [(128, 16, 2048)] * 3), (32, [(128, 16, 8192)]),
                       (64, [(256, 16, 2048)] * 2)):  # past the in-flight window
         slots, axis = jax.ShapeDtypeStruct((n,), jnp.int32), 0
         bufs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
-        exported = export_for_tpu(lambda s, *b, axis=axis: take_slots_dma(list(b), s, axis=axis),
-                                  (slots, *bufs))
+        with enable_x64(x64):
+            exported = export_for_tpu(
+                lambda s, *b, axis=axis: take_slots_dma(list(b), s, axis=axis), (slots, *bufs))
         assert "tpu_custom_call" in exported.mlir_module()
         out = exported.out_avals[0]
         assert out.shape == (n, 16 * len(shapes), shapes[0][2]) and out.dtype == jnp.bfloat16

@@ -13,8 +13,8 @@ fetching that adapter's A and B. It was correct under Mosaic and 1.3-1.7x slower
 onehot in the layer benchmark: at rank 16 each grid step did a 16-wide matmul and a
 64 KB fetch, and the fixed cost per step dominated. Now a grid step takes a *group* of
 G adapters, G*R = 128 lanes (the MXU's width) where the rank allows, fetched by the
-kernel's own DMAs from the slots the scalar-prefetched list names, double-buffered: the
-next group's copies run while this group computes.
+kernel's own DMAs from the slots the scalar-prefetched list names, up to DEPTH - 1
+groups ahead: their copies run while this group computes.
 
 Formulation. The step's adapters are given as the onehot strategy's arrays: their
 device slots (`active_slots`, padded) and each token's position among them
@@ -50,6 +50,7 @@ from vllm_tpu_lora.ops.pallas_kernels import _check_precision, _nt_dot, dot_prec
 
 VMEM_BUDGET_BYTES = 32 * vmem.MiB
 LANES = 128  # a group's ranks side by side fill the MXU's width
+DEPTH = 4  # group buffers: DEPTH - 1 groups' copies in flight ahead of the one computing
 
 
 def max_group(rank: int, num_positions: int, dtype) -> int:
@@ -63,14 +64,14 @@ def max_group(rank: int, num_positions: int, dtype) -> int:
 
 
 def vmem_bytes(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype,
-               group: int = 1) -> int:
+               group: int = 1, depth: int = 2) -> int:
     """Estimated VMEM of one instance (ops/vmem.py's rules): double-buffered x, position
-    and output blocks, two groups of A and B per slice (the one computing, the one in
-    flight), the float32 accumulators, and temporaries (the shrink's float32 result and
-    its cast, the expand's float32 product, a group's A merged for the NT shrink)."""
+    and output blocks, `depth` groups of A and B per slice (the one computing, the ones
+    in flight), the float32 accumulators, and temporaries (the shrink's float32 result
+    and its cast, the expand's float32 product, a group's A merged for the NT shrink)."""
     s, pad, lanes = vmem.itemsize(dtype), vmem.padded_block_bytes, group * rank
     blocks = pad(tile, d, s) + pad(tile, 1, 4) + sum(pad(tile, o, s) for o in outs)
-    groups = 2 * group * sum(pad(rank, d, s) + pad(rank, o, s) for o in outs)
+    groups = depth * group * sum(pad(rank, d, s) + pad(rank, o, s) for o in outs)
     scratch = sum(pad(tile, o, 4) for o in outs)
     widest = max(outs)
     temps = (pad(tile, lanes, 4) + pad(tile, lanes, s) + pad(tile, widest, 4)
@@ -79,23 +80,26 @@ def vmem_bytes(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype,
 
 
 def fitting_plan(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype,
-                 group: int = 1) -> tuple[int, int]:
-    """(token tile, group) within the budget: the group halved first (a step's tokens
-    in one tile read each adapter once), then the token tile (down to 16 rows); a shape
-    that does not fit even then is refused."""
-    while vmem_bytes(tile, d, outs, rank, dtype, group) > VMEM_BUDGET_BYTES:
-        if group > 1:
+                 group: int = 1, depth: int = DEPTH) -> tuple[int, int, int]:
+    """(token tile, group, depth) within the budget: the depth lowered first (down to
+    double buffering), then the group halved (a step's tokens in one tile read each
+    adapter once), then the token tile (down to 16 rows); a shape that does not fit
+    even then is refused."""
+    while vmem_bytes(tile, d, outs, rank, dtype, group, depth) > VMEM_BUDGET_BYTES:
+        if depth > 2:
+            depth -= 1
+        elif group > 1:
             group //= 2
         elif tile > 16:
             tile //= 2
         else:
             break
-    limit = vmem.required_limit_bytes(vmem_bytes(tile, d, outs, rank, dtype, group))
-    if limit > vmem.VMEM_LIMIT_CEILING_BYTES:
+    need = vmem.required_limit_bytes(vmem_bytes(tile, d, outs, rank, dtype, group, depth))
+    if need > vmem.VMEM_LIMIT_CEILING_BYTES:
         raise ValueError(f"indexed_lora: D={d}, outputs {outs} at rank {rank}, tile {tile} "
-                         f"{vmem.dtype_name(dtype)} need ~{limit // vmem.MiB} MiB of VMEM, "
+                         f"{vmem.dtype_name(dtype)} need ~{need // vmem.MiB} MiB of VMEM, "
                          f"more than the {vmem.VMEM_LIMIT_CEILING_BYTES // vmem.MiB} MiB allowed")
-    return tile, group
+    return tile, group, depth
 
 
 def used_first(token_lora_idx: jax.Array, active_slots: jax.Array):
@@ -114,11 +118,11 @@ def used_first(token_lora_idx: jax.Array, active_slots: jax.Array):
     return active_slots.astype(jnp.int32)[order], tokens, count
 
 
-def _kernel(count_ref, slot_ref, x_ref, pos_ref, *refs, n_slices, group, precision):
+def _kernel(count_ref, slot_ref, x_ref, pos_ref, *refs, n_slices, group, depth, precision):
     n = n_slices
     hbm = refs[:2 * n]  # A_0 .. A_n-1, B_0 .. B_n-1: [N, R, *] where the buffers lie
     o_refs = refs[2 * n:3 * n]
-    bufs = refs[3 * n:5 * n]  # the same order, [2, G, R, *] in VMEM
+    bufs = refs[3 * n:5 * n]  # the same order, [depth, G, R, *] in VMEM
     acc_refs, sem = refs[5 * n:6 * n], refs[6 * n]
     # int32 constants throughout: under torchax x64 a Python int would trace as int64.
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
@@ -131,7 +135,7 @@ def _kernel(count_ref, slot_ref, x_ref, pos_ref, *refs, n_slices, group, precisi
         for j in range(group):
             p = i32(grp) * i32(group) + i32(j)
             slot = slot_ref[jnp.where(p < count, p, i32(0))]  # past the count: position 0's
-            out += [pltpu.make_async_copy(src.at[slot], dst.at[buf, j], sem.at[buf])
+            out += [pltpu.make_async_copy(src.at[slot], dst.at[buf, i32(j)], sem.at[buf])
                     for src, dst in zip(hbm, bufs)]
         return out
 
@@ -140,19 +144,22 @@ def _kernel(count_ref, slot_ref, x_ref, pos_ref, *refs, n_slices, group, precisi
         for acc in acc_refs:
             acc[...] = jnp.zeros_like(acc)
 
-        @pl.when(used_groups > i32(0))
-        def _first():
-            for c in copies(0, i32(0)):
-                c.start()
+        for k in range(depth - 1):  # the first groups, ahead
+            @pl.when(i32(k) < used_groups)
+            def _first(k=k):  # called at once: binds this k
+                for c in copies(k, i32(k)):
+                    c.start()
 
-    @pl.when(g + i32(1) < used_groups)
+    ahead = g + i32(depth - 1)
+
+    @pl.when(ahead < used_groups)
     def _prefetch():  # into the buffer the previous group has finished with
-        for c in copies(g + i32(1), (g + i32(1)) % i32(2)):
+        for c in copies(ahead, ahead % i32(depth)):
             c.start()
 
     @pl.when(g < used_groups)
     def _delta():
-        buf = g % i32(2)
+        buf = g % i32(depth)
         for c in copies(g, buf):
             c.wait()
         x = x_ref[...]
@@ -184,13 +191,15 @@ def _merged(ref, buf, lanes):
     return ref[buf].reshape(lanes, ref.shape[3])
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "group", "interpret", "precision"))
-def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, interpret=False,
-                   precision="default"):
+@functools.partial(jax.jit, static_argnames=("tile", "group", "depth", "interpret",
+                                             "precision"))
+def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, depth=2,
+                   interpret=False, precision="default"):
     """Semantics: out_i[t] = x[t] @ A_i[slots[p]].T @ B_i[slots[p]] for p = positions[t]
     < count[0], 0 where p = -1, per slice i of weights [(A_i [N, R, D], B_i [N, R, O_i])]
     (rank-first, as a TPU's slot buffers hold them). x [T_pad, D] with T_pad % tile == 0;
-    positions int32 [T_pad, 1]; `group` adapters per grid step. Returns
+    positions int32 [T_pad, 1]; `group` adapters per grid step, `depth` groups' buffers
+    (depth - 1 groups fetched ahead). Returns
     [out_i [T_pad, O_i]] (x.dtype), float32 accumulation."""
     (t_pad, d), p = x.shape, slots.shape[0]
     r = weights[0][0].shape[1]
@@ -205,7 +214,8 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, interp
     groups = -(-p // group)
     if groups * group > p:  # read only below the count, but in range for the prefetch
         slots = jnp.concatenate([slots, jnp.zeros(groups * group - p, jnp.int32)])
-    limit = vmem.explicit_vmem_limit(vmem_bytes(tile, d, outs, r, x.dtype, group))
+    depth = max(1, min(depth, groups))
+    limit = vmem.explicit_vmem_limit(vmem_bytes(tile, d, outs, r, x.dtype, group, depth))
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -214,13 +224,14 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, interp
                   pl.BlockSpec((tile, 1), lambda t, g, c, s: (t, 0)),
                   *[any_space] * (2 * len(weights))],
         out_specs=[pl.BlockSpec((tile, o), lambda t, g, c, s: (t, 0)) for o in outs],
-        scratch_shapes=[*[pltpu.VMEM((2, group, r, d), x.dtype) for _ in outs],
-                        *[pltpu.VMEM((2, group, r, o), x.dtype) for o in outs],
+        scratch_shapes=[*[pltpu.VMEM((depth, group, r, d), x.dtype) for _ in outs],
+                        *[pltpu.VMEM((depth, group, r, o), x.dtype) for o in outs],
                         *[pltpu.VMEM((tile, o), jnp.float32) for o in outs],
-                        pltpu.SemaphoreType.DMA((2,))],
+                        pltpu.SemaphoreType.DMA((depth,))],
     )
     return pl.pallas_call(
-        functools.partial(_kernel, n_slices=len(weights), group=group, precision=precision),
+        functools.partial(_kernel, n_slices=len(weights), group=group, depth=depth,
+                          precision=precision),
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((t_pad, o), x.dtype) for o in outs],
         compiler_params=pltpu.CompilerParams(
@@ -232,7 +243,7 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, interp
 
 
 def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, group=None,
-                 interpret=False, precision="default"):
+                 depth=DEPTH, interpret=False, precision="default"):
     """The LoRA delta of every slice of a linear: [T, sum of O] (x.dtype), token t's slice
     i = x[t] @ A_i[s].T @ B_i[s] for s = active_slots[token_lora_idx[t]], 0 where
     token_lora_idx[t] = -1.
@@ -242,13 +253,13 @@ def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, group=
     strategy's arrays, lora/step_layout.onehot_layout). count int32 [1]: how many of
     active_slots some token uses, all of them first (the engine's steps: the host lists
     only the step's adapters); None: found on the device (used_first), a few small ops
-    per call. group: adapters per grid step (None: as many as fill 128 lanes, halved
-    while VMEM is short)."""
+    per call. group: adapters per grid step (None: as many as fill 128 lanes); depth:
+    groups' buffers (both lowered while VMEM is short, ``fitting_plan``)."""
     t, d = x.shape
     r, p = weights[0][0].shape[1], active_slots.shape[0]
     outs = tuple(b.shape[2] for _, b in weights)
     start = max_group(r, p, x.dtype) if group is None else group
-    tile, group = fitting_plan(token_tile(t), d, outs, r, x.dtype, start)
+    tile, group, depth = fitting_plan(token_tile(t), d, outs, r, x.dtype, start, depth)
     t_pad = -(-t // tile) * tile
     if count is None:
         slots, positions, count = used_first(token_lora_idx, active_slots)
@@ -259,6 +270,6 @@ def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, group=
         x = jnp.concatenate([x, jnp.zeros((t_pad - t, d), x.dtype)])
         positions = jnp.concatenate([positions, jnp.full((t_pad - t,), -1, jnp.int32)])
     outs = indexed_kernel(slots, positions[:, None], count, x, weights, tile=tile,
-                          group=group, interpret=interpret, precision=precision)
+                          group=group, depth=depth, interpret=interpret, precision=precision)
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     return out[:t]

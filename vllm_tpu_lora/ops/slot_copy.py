@@ -63,17 +63,22 @@ def _kernel(slots_ref, *refs, axis: int, widths: tuple[int, ...]):
             c.wait()
         return carry
 
+    # int32 bounds and constants: under x64 (the jax runtime's torchax) a Python int
+    # traces as int64, and Mosaic refuses to compare it with the int32 loop index.
+    window = jnp.int32(IN_FLIGHT)
+
     def start(i, carry):
-        @pl.when(i >= IN_FLIGHT)
+        @pl.when(i >= window)
         def _():
-            wait(i - IN_FLIGHT, carry)
+            wait(i - window, carry)
 
         for c in copies(i):
             c.start()
         return carry
 
-    jax.lax.fori_loop(0, num_slots, start, 0)
-    jax.lax.fori_loop(max(0, num_slots - IN_FLIGHT), num_slots, wait, 0)
+    jax.lax.fori_loop(jnp.int32(0), jnp.int32(num_slots), start, jnp.int32(0))
+    jax.lax.fori_loop(jnp.int32(max(0, num_slots - IN_FLIGHT)), jnp.int32(num_slots), wait,
+                      jnp.int32(0))
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "interpret"))
