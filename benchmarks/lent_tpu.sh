@@ -30,9 +30,10 @@ for what in "$@"; do
     sec) echo "t=$SECONDS" ;;
     # The whole log goes to $OUT as it is written: a call cut off at its limit still says how far it got.
     bench) timeout ${BENCH_S:-540} python3 -u benchmarks/benchmark_jax_runtime.py --out $OUT/jax_runtime.jsonl ${BENCH_ARGS:-} > $OUT/bench.log 2>&1; echo "bench rc $?"; tail -c 3000 $OUT/bench.log ;;
-    # Perfetto traces, the profiled graphs' HLO and profile.jsonl (xplane files dropped).
+    # The profiled graphs' HLO and profile.jsonl. The trace folders are dropped once read:
+    # they nest too deep to come back, and their files crowded out the HLO (tenth session).
     profile) timeout ${PROFILE_S:-420} python3 -u benchmarks/profile_step.py --out-dir $OUT/profile ${PROFILE_ARGS:-} > $OUT/profile.log 2>&1; echo "profile rc $?"
-             find $OUT/profile -name '*.xplane.pb' -delete; tail -c 1500 $OUT/profile.log ;;
+             find $OUT/profile -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +; tail -c 1500 $OUT/profile.log ;;
     # Issue 41's churn workload (1,000 requests, each its own adapter read from disk during
     # the run, 8 new tokens) with the chip's host cores beside the loader thread.
     churn) timeout ${CHURN_S:-300} python3 -u benchmarks/benchmark_lora.py --many-adapters --runtime jax \

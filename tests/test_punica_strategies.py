@@ -167,9 +167,10 @@ def test_slots_bucket_and_its_fallback_match_reference(num_tokens, fits):
 def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     """lora_backend="auto": the xla backend on and off a TPU, at any slot count and rank;
     there a graph with 2+ adapters runs onehot over its adapters, or stacked where its
-    bucket is every slot ("single" for one), and the fused grouped kernel only where
-    T*S*R reaches the measured 2^20 over 2,048+ lanes (S*R; with "auto", an explicit "xla"
-    never); an explicit backend stands."""
+    bucket is every slot ("single" for one), the fused grouped kernel only where T*S*R
+    reaches the measured 2^20 over 2,048+ lanes (S*R), and the indexed kernel in decode
+    graphs of 32+ adapters at rank 16 (kernels: with "auto", an explicit "xla" never);
+    an explicit backend stands."""
     from vllm_tpu_lora.lora import punica as punica_mod
 
     for tpu in (False, True):
@@ -186,12 +187,19 @@ def test_tpu_backend_rule_and_onehot_table(monkeypatch):
     assert punica.xla_strategy(16, 1) == punica.xla_strategy(512, 1) == "single"
     punica.max_loras, punica.max_rank = 128, 16
     assert punica.xla_strategy(1024, 128) == "stacked"  # lora_backend="xla": XLA ops only
+    assert punica.xla_strategy(32, 32) == "onehot"  # no kernel either
     punica.grouped_kernel_from = step_layout.GROUPED_KERNEL_FROM  # as "auto" sets it
     assert punica.xla_strategy(512, 128) == punica.xla_strategy(1024, 128) == "grouped_kernel"
     assert punica.xla_strategy(256, 128) == "stacked"  # 2^19: measured slower there
     assert punica.xla_strategy(1024, 32) == punica.xla_strategy(8192, 32) == "onehot"  # 512 lanes
     assert punica.xla_strategy(4096, 1) == "single"
+    # Decode graphs over 32+ of more slots run the indexed kernel (measured at rank 16);
+    # more tokens, fewer slots or every slot do not.
+    assert punica.xla_strategy(32, 32) == punica.xla_strategy(16, 64) == "indexed"
+    assert punica.xla_strategy(64, 32) == punica.xla_strategy(32, 16) == "onehot"
+    assert punica.xla_strategy(32, 128) == "stacked"
     punica.max_rank = 64  # the rule reads the buffers' rank
+    assert punica.xla_strategy(32, 32) == "onehot"  # not measured at rank 64
     assert punica.xla_strategy(256, 128) == "grouped_kernel"
     assert punica.xla_strategy(256, 32) == "onehot"
     punica.max_rank = 128  # one slot a group: not measured, not picked

@@ -28,7 +28,10 @@ would copy every slot's weights):
     runtime, graphs whose T*S*R reaches 2^20 over a one-hot of 2,048+ lanes (from 512
     tokens over 128 adapters of rank 16, 256 over 128 of rank 64) run "grouped_kernel",
     the fused grouped Pallas kernel below over the same buffers: 0.62-0.87x onehot's time
-    there (step_layout).
+    there (step_layout); decode graphs of up to 32 tokens over 32+ of more slots at rank
+    16 run "indexed" (ops/indexed_lora.py: the step's adapters fetched in groups by the
+    kernel's own DMAs, read once, no copy; a decode step over 32 of 128 slots 0.96x
+    onehot's device time on a v5e).
   - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64
     tokens, where S is above half of max_loras, "slots": each adapter's tokens in its
     own device slot's rows, one batched matmul per slice over the buffers as they lie
@@ -541,12 +544,12 @@ class PunicaWrapper:
         return y + delta.to(y.dtype)
 
     def _indexed_linear(self, y, x, lora_a, lora_b) -> torch.Tensor:
-        """The indexed Pallas kernel (ops/indexed_lora.py) on onehot's arrays: each adapter
-        the step uses read once at its slot by the kernel's own DMA, no copy of the
-        weights and no read of the slots it does not use. Never picked by the table (it
-        lost to onehot in the layer benchmark); forced, it is the engine-level check of
-        that verdict where a step uses few of many slots. A CPU's [N, D, R] A (tests that
-        run the TPU's table there) is transposed first."""
+        """The indexed Pallas kernel (ops/indexed_lora.py) on onehot's arrays and the
+        host's count of the step's adapters: each read once at its slot by the kernel's
+        own DMAs, in groups that fill 128 lanes, no copy of the weights and no read of
+        the slots it does not use. The TPU table's decode graphs over many of more slots
+        (step_layout.INDEXED_*). A CPU's [N, D, R] A (tests that run the TPU's table
+        there) is transposed first."""
         from vllm_tpu_lora.ops.bgmv_pallas import indexed_linear
 
         if self.a_by_input:

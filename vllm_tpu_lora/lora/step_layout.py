@@ -153,6 +153,14 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 # graph, 2^19) 0.77 | 2.11 | 1.30. Not measured: T*S*R past 2^23.
 # On XLA CPU the table above wins (onehot is its fallback at a few buckets only).
 
+# The indexed kernel (ops/indexed_lora.py: the step's adapters fetched in groups by its
+# own DMAs, each read once, no copy) in decode graphs over many of more slots, with
+# kernels on ("auto"). On the v5e at Llama-3.2-1B, rank 16, a decode step over 32 of 128
+# slots took 5.59 ms of device time against onehot's 5.83 (base 3.45; profiled side by
+# side on one engine, docs/benchmarks.md, tenth session); forced on the prefill graphs
+# too it lost there (T=1024: 490 ms against onehot's 432 over a run). Picked only where
+# measured: T <= 32, S >= 32, rank 16.
+INDEXED_UP_TO_TOKENS, INDEXED_FROM_SLOTS, INDEXED_RANKS = 32, 32, (16,)
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)
 # (T*S*R, S*R) from which a TPU graph runs the grouped kernel (above)
@@ -168,7 +176,8 @@ def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
     """The xla backend's LoRA strategy for graph (T, S): on a TPU "single" for S = 1, the
     fused grouped kernel where T*S*R and S*R (R: the buffers' rank, at most 64, its
     groups of 128 lanes full) reach `kernel_from` (None: never, XLA ops only), "stacked"
-    where S is every device slot, else "onehot"; elsewhere "slots" where it applies (its
+    where S is every device slot, the indexed kernel in the decode graphs measured for it
+    (INDEXED_*; kernels on), else "onehot"; elsewhere "slots" where it applies (its
     steps that do not fit run `fallback_strategy`), else the fallback itself."""
     if on_tpu:
         if num_slots == 1:
@@ -179,7 +188,12 @@ def xla_strategy(num_tokens: int, num_slots: int, max_loras: int = 0,
         if (kernel_from is not None and num_tokens * num_slots * rank >= kernel_from[0]
                 and num_slots * rank >= kernel_from[1] and 0 < rank <= 64):
             return "grouped_kernel"
-        return "stacked" if 0 < max_loras <= num_slots else "onehot"
+        if 0 < max_loras <= num_slots:
+            return "stacked"
+        if (kernel_from is not None and num_tokens <= INDEXED_UP_TO_TOKENS
+                and num_slots >= INDEXED_FROM_SLOTS and rank in INDEXED_RANKS):
+            return "indexed"
+        return "onehot"
     if (num_slots >= 2 and 0 < max_loras < 2 * num_slots
             and SPLIT_FROM_TOKENS <= num_tokens <= SLOTS_MAX_TOKENS):
         return "slots"
