@@ -18,7 +18,7 @@ from vllm_tpu_lora.ops.indexed_lora import (
     used_first,
     vmem_bytes,
 )
-from vllm_tpu_lora.ops.pallas_export import export_for_tpu
+from vllm_tpu_lora.ops.pallas_export import export_for_tpu, hbm_operands
 
 
 def _step(rng, t, n, p, kind):
@@ -200,4 +200,7 @@ def test_indexed_kernel_lowers_for_tpu(t, n, p, r, d, outs):
             jax.ShapeDtypeStruct((1,), jnp.int32))
     with enable_x64(True):
         exported = export_for_tpu(lambda x, w, ti, sl, c: indexed_lora(x, w, ti, sl, c), args)
+    # The slot buffers stay in HBM (operands after count, slots, x and positions): the
+    # kernel fetches the step's slots itself, XLA may not prefetch them all into VMEM.
+    assert hbm_operands(exported) == [list(range(4, 4 + 2 * len(outs)))]
     assert "tpu_custom_call" in exported.mlir_module()

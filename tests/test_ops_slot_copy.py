@@ -11,7 +11,7 @@ import torch
 from jax.experimental import enable_x64
 
 from vllm_tpu_lora import ops
-from vllm_tpu_lora.ops.pallas_export import export_for_tpu
+from vllm_tpu_lora.ops.pallas_export import export_for_tpu, hbm_operands
 from vllm_tpu_lora.ops.slot_copy import take_slots_dma
 
 
@@ -81,6 +81,8 @@ def test_dma_copy_lowers_for_tpu_at_engine_shapes(x64):
             exported = export_for_tpu(
                 lambda s, *b, axis=axis: take_slots_dma(list(b), s, axis=axis), (slots, *bufs))
         assert "tpu_custom_call" in exported.mlir_module()
+        # Every buffer stays in HBM: XLA may not prefetch all its slots into VMEM.
+        assert hbm_operands(exported) == [list(range(1, len(shapes) + 1))]
         out = exported.out_avals[0]
         assert out.shape == (n, 16 * len(shapes), shapes[0][2]) and out.dtype == jnp.bfloat16
 

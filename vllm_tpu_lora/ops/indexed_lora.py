@@ -46,7 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from vllm_tpu_lora.ops import vmem
 from vllm_tpu_lora.ops.grouped_lora import token_tile  # the same tiles: up to 128 rows
-from vllm_tpu_lora.ops.pallas_kernels import _check_precision, _nt_dot, dot_precision
+from vllm_tpu_lora.ops.pallas_kernels import _check_precision, _nt_dot, dot_precision, in_hbm
 
 VMEM_BUDGET_BYTES = 32 * vmem.MiB
 LANES = 128  # a group's ranks side by side fill the MXU's width
@@ -238,8 +238,8 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, depth=
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=limit),
         interpret=interpret,
         name="lora_indexed",
-    )(count, slots, x, positions, *[a.astype(x.dtype) for a, _ in weights],
-      *[b.astype(x.dtype) for _, b in weights])
+    )(count, slots, x, positions, *[in_hbm(a.astype(x.dtype), interpret) for a, _ in weights],
+      *[in_hbm(b.astype(x.dtype), interpret) for _, b in weights])
 
 
 def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, group=None,

@@ -15,6 +15,8 @@ VMEM is budgeted separately, by estimate (ops/vmem.py, tests/test_ops_vmem.py).
 from __future__ import annotations
 
 import functools
+import json
+import re
 
 import jax
 import jax.export  # not imported by `import jax` in 0.7.1
@@ -51,6 +53,18 @@ def kernel_call(shape: KernelShape):
 def export_for_tpu(fn, args) -> jax.export.Exported:
     """Lower `fn(*args)` for TPU (Mosaic) on this host; raises on illegal kernels."""
     return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+
+
+def hbm_operands(exported: jax.export.Exported) -> list[list[int]]:
+    """Per Mosaic custom call in the lowered module, the operands pinned to HBM (memory
+    space color 0 in its backend config; ops.pallas_kernels.in_hbm)."""
+    calls = []
+    for config in re.findall(r'custom_call @tpu_custom_call\([^)]*\) \{backend_config = "([^"]*)"',
+                             exported.mlir_module()):
+        text = re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), config)
+        colors = json.loads(text)["custom_call_config"].get("input_memory_space_colors", [])
+        calls.append([c["operand_index"] for c in colors if c["color"] == 0])
+    return calls
 
 
 def export_shape(shape: KernelShape) -> jax.export.Exported:

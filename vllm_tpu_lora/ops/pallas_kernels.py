@@ -116,6 +116,18 @@ def dot_precision(dtype, precision: str):
     return PRECISIONS[precision] if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+def in_hbm(x, interpret: bool):
+    """x for a pallas_call that reads it by the kernel's own DMAs (memory space ANY),
+    pinned to HBM. Left to XLA, a TPU's memory-space assignment may prefetch the whole
+    array into VMEM before the call: in the engine's decode step over 32 of 128 slots it
+    copied 34 whole 128-slot LoRA buffers (210 MB a step) into VMEM for DMA copies that
+    read 32 slots of each (docs/benchmarks.md, tenth session). The interpreter has no
+    memory spaces."""
+    if interpret:
+        return x
+    return pltpu.with_memory_space_constraint(x, pltpu.HBM)
+
+
 def _nt_dot(a, b, precision):
     """a [M, K] @ b [N, K].T with float32 accumulation (MXU-native NT matmul)."""
     return jax.lax.dot_general(

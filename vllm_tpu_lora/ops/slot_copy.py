@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from vllm_tpu_lora.ops.pallas_kernels import in_hbm
+
 IN_FLIGHT = 32  # slots whose copies may run at once
 
 
@@ -99,4 +101,4 @@ def take_slots_dma(buffers, slots, axis: int = 0, interpret: bool = False):
             in_specs=[any_space] * len(buffers), out_specs=any_space,
             scratch_shapes=[pltpu.SemaphoreType.DMA(())]),
         interpret=interpret,
-    )(slots.astype(jnp.int32), *buffers)
+    )(slots.astype(jnp.int32), *[in_hbm(b, interpret) for b in buffers])
