@@ -148,6 +148,28 @@ def hlo_scopes(text: str) -> tuple[str, dict[str, bool]]:
     return module, instr_lora
 
 
+# An async copy of a whole entry parameter into VMEM (memory space S(1)): XLA's
+# memory-space assignment prefetching an operand. For a LoRA slot buffer that is all
+# max_loras slots, whatever the step reads (docs/benchmarks.md, tenth session).
+_PARAM_PREFETCH = re.compile(
+    r"= \((\w+)\[([\d,]*)\]\{[^}]*S\(1\)\}.*\) copy-start\(%([A-Za-z_]+?)_?\d*_?\.\d+\)")
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+
+
+def parameter_prefetches(text: str) -> dict[str, dict]:
+    """{parameter family (e.g. "arg_arrays", "weight_arrays"): {"count", "mb"}}: the entry
+    parameters the optimized HLO copies whole into VMEM, per step."""
+    out: dict[str, dict] = {}
+    for dtype, dims, family in _PARAM_PREFETCH.findall(text):
+        size = _BYTES.get(dtype, 4)
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        row = out.setdefault(family, {"count": 0, "mb": 0.0})
+        row["count"] += 1
+        row["mb"] = round(row["mb"] + size / 1e6, 3)
+    return out
+
+
 def _kind(op: str) -> str:
     return re.sub(r"[.\d]+$", "", op.split(".")[0]) or op
 
@@ -183,9 +205,11 @@ def module_rows(label: str, runs: dict, by_module: dict,
     return rows
 
 
-def save_hlo(texts: list[str], out_dir: str, wanted: set[str]) -> dict[str, dict[str, bool]]:
+def save_hlo(texts: list[str], out_dir: str, wanted: set[str], label: str = "",
+             out: str | None = None) -> dict[str, dict[str, bool]]:
     """The wanted modules' HLO under out_dir, and their hlo_scopes (all when none wanted:
-    a trace without device events)."""
+    a trace without device events); per module an "hlo_prefetch" row (the entry
+    parameters copied whole into VMEM) to `out`."""
     scopes = {}
     for text in texts:
         module = re.search(r"HloModule\s+([\w.\-]+)", text).group(1)
@@ -193,6 +217,8 @@ def save_hlo(texts: list[str], out_dir: str, wanted: set[str]) -> dict[str, dict
             scopes[module] = hlo_scopes(text)[1]
             with gzip.open(os.path.join(out_dir, f"{module}.hlo.txt.gz"), "wt") as f:
                 f.write(text)
+            emit({"row": "hlo_prefetch", "label": label, "module": module,
+                  "parameters_into_vmem": parameter_prefetches(text)}, out)
     return scopes
 
 
@@ -271,7 +297,7 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
         traced = decode_window(llm, batch, loras, args.steps, trace_dir)
         runs, by_module = device_ops(perfetto_events(trace_dir))
         scopes = save_hlo([c.as_text() for c in engine.runner.capture.executables],
-                          args.out_dir, set(runs))  # the HLO of the graphs it ran
+                          args.out_dir, set(runs), label, args.out)  # the HLO of the graphs it ran
         emit({"row": "window", "label": label, "decode_steps": traced,
               "first_pass_s": compiled_s,
               "forward_graph_steps": dict(engine.runner.forward_graph_steps)}, args.out)
@@ -300,7 +326,7 @@ def profile_anchor(llm, work, args) -> None:
                 state = step(state, *inputs)[1]
             jax.block_until_ready(state)
         runs, by_module = device_ops(perfetto_events(trace_dir))
-        scopes = save_hlo([step.hlo_text()], args.out_dir, set(runs))
+        scopes = save_hlo([step.hlo_text()], args.out_dir, set(runs), label, args.out)
         for row in module_rows(label, runs, by_module, scopes):
             emit(row, args.out)
         del step, state
