@@ -54,8 +54,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--force-strategy", nargs="+", default=["table"],
                    choices=["table", *FORCEABLE],
                    help="every LoRA graph runs this xla strategy (\"table\": the table's "
-                        "pick); several: one window each on the same engine (a graph's key "
-                        "names its strategy, so each compiles its own)")
+                        "pick); several: one window each on the same engine. A graph is "
+                        "keyed by its step arrays, so strategies that share them (stacked, "
+                        "gathered, grouped_kernel; or one the table picks) are refused "
+                        "together: profile those on engines of their own")
     p.add_argument("--slot-copies", nargs="+", default=[None], choices=[None, *SLOT_COPIES],
                    help="one engine per value (ops.take_slots' copy; default the engine's)")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
@@ -151,19 +153,26 @@ def hlo_scopes(text: str) -> tuple[str, dict[str, bool]]:
 # An async copy of a whole entry parameter into VMEM (memory space S(1)): XLA's
 # memory-space assignment prefetching an operand. For a LoRA slot buffer that is all
 # max_loras slots, whatever the step reads (docs/benchmarks.md, tenth session).
-_PARAM_PREFETCH = re.compile(
-    r"= \((\w+)\[([\d,]*)\]\{[^}]*S\(1\)\}.*\) copy-start\(%([A-Za-z_]+?)_?\d*_?\.\d+\)")
-_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+_VMEM_COPY = re.compile(r"= \((\w+)\[([\d,]*)\]\{[^}]*S\(1\)\}.*\) copy-start\(%([\w.\-]+)\)")
+_ENTRY_PARAMS = re.compile(r"([\w.\-]+): \w+\[")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
 def parameter_prefetches(text: str) -> dict[str, dict]:
     """{parameter family (e.g. "arg_arrays", "weight_arrays"): {"count", "mb"}}: the entry
-    parameters the optimized HLO copies whole into VMEM, per step."""
+    computation's parameters the optimized HLO copies whole into VMEM, per step (copies
+    of intermediates are not counted)."""
+    entry = next((line for line in text.splitlines() if line.startswith("ENTRY")), "")
+    params = set(_ENTRY_PARAMS.findall(entry.split(")")[0]))
     out: dict[str, dict] = {}
-    for dtype, dims, family in _PARAM_PREFETCH.findall(text):
-        size = _BYTES.get(dtype, 4)
+    for dtype, dims, source in _VMEM_COPY.findall(text):
+        if source not in params:
+            continue
+        size = _BYTES[dtype]
         for d in filter(None, dims.split(",")):
             size *= int(d)
+        family = re.sub(r"(_\d+)?_?(\.\d+)?$", "", source)
         row = out.setdefault(family, {"count": 0, "mb": 0.0})
         row["count"] += 1
         row["mb"] = round(row["mb"] + size / 1e6, 3)
@@ -287,12 +296,17 @@ def profile_engine(model_dir: str, paths: list[str], work, args, max_loras: int,
         loras = [reqs[i % n] for i in range(len(batch))] if n else None
         if n:
             force_strategy(engine, strategy, slot_copy)
+            graphs = len(engine.runner.capture.executables)
         label = (f"engine_slots{max_loras}_adapters{n}" + (f"_{slot_copy}" if n and slot_copy
                                                            else "")
                  + (f"_{strategy}" if n and strategy else ""))
         t0 = time.perf_counter()
         decode_window(llm, batch, loras, 2, None)  # compiles what the window runs
         compiled_s = time.perf_counter() - t0
+        if n and strategy != strategies[0] and len(engine.runner.capture.executables) == graphs:
+            raise SystemExit(f"--force-strategy {strategy} compiled no graph of its own: its "
+                             "step arrays are an earlier window's, so its graphs would be "
+                             "that window's again; profile it on an engine of its own")
         trace_dir = os.path.join(args.out_dir, label)
         traced = decode_window(llm, batch, loras, args.steps, trace_dir)
         runs, by_module = device_ops(perfetto_events(trace_dir))

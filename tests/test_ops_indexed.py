@@ -90,6 +90,7 @@ def test_indexed_kernel_with_the_hosts_count():
     active = np.zeros(p, np.int32)
     active[:used] = rng.choice(np.arange(1, n), size=used, replace=False)
     pos = rng.integers(-1, used, size=t).astype(np.int32)
+    pos[:used] = np.arange(used)  # the contract: every position below the count used
     x = rng.standard_normal((t, d)).astype(np.float32)
     a = rng.standard_normal((n, r, d)).astype(np.float32) / np.sqrt(d)
     b = rng.standard_normal((n, r, o)).astype(np.float32) / np.sqrt(r)
@@ -111,9 +112,10 @@ def test_indexed_kernel_group_and_depth(group, depth):
     12 positions used (the last group partly), the unused slots NaN."""
     rng = np.random.default_rng(group * 10 + depth)
     t, n, p, used, r, d, outs = 20, 24, 12, 11, 8, 128, (128, 256)
-    active = np.zeros(p, np.int32)
-    active[:used] = rng.choice(n, size=used, replace=False)
+    active = np.zeros(p, np.int32)  # the padding position names slot 0, NaN below
+    active[:used] = rng.choice(np.arange(1, n), size=used, replace=False)
     pos = rng.integers(-1, used, size=t).astype(np.int32)
+    pos[:used] = np.arange(used)  # the contract: every position below the count used
     x = rng.standard_normal((t, d)).astype(np.float32)
     weights = [(rng.standard_normal((n, r, d)).astype(np.float32) / np.sqrt(d),
                 rng.standard_normal((n, r, o)).astype(np.float32) / np.sqrt(r)) for o in outs]
@@ -129,6 +131,26 @@ def test_indexed_kernel_group_and_depth(group, depth):
                                             for a, b in weights], active, pos)
     assert np.isfinite(got).all() and np.all(got[pos < 0] == 0)
     assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < 1e-5
+
+
+def test_indexed_kernel_casts_float32_buffers_in_the_kernel():
+    """bfloat16 activations over float32 slot buffers (lora_dtype float32 under a bf16
+    model): the kernel takes the buffers as they are and casts each group it fetched."""
+    rng = np.random.default_rng(6)
+    t, n, p, r, d, o = 24, 16, 8, 16, 256, 384
+    active, pos = _step(rng, t, n, p, "uniform")
+    x = rng.standard_normal((t, d))
+    a, b = rng.standard_normal((n, r, d)) / np.sqrt(d), rng.standard_normal((n, r, o)) / np.sqrt(r)
+    jx = jnp.asarray(x, jnp.bfloat16)
+    ja, jb = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    got = np.asarray(indexed_lora(jx, [(ja, jb)], jnp.asarray(pos), jnp.asarray(active),
+                                  interpret=True).astype(jnp.float32))
+    # The reference sees what the kernel multiplies: x and the weights in bfloat16.
+    as64 = [np.asarray(v.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+            for v in (jx, ja, jb)]
+    ref = _reference(as64[0], [(as64[1], as64[2])], active, pos)
+    assert got.dtype == np.float32 and np.all(got[pos < 0] == 0)
+    assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < 3e-2
 
 
 def test_indexed_kernel_bfloat16():
@@ -204,3 +226,18 @@ def test_indexed_kernel_lowers_for_tpu(t, n, p, r, d, outs):
     # kernel fetches the step's slots itself, XLA may not prefetch them all into VMEM.
     assert hbm_operands(exported) == [list(range(4, 4 + 2 * len(outs)))]
     assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_indexed_kernel_takes_float32_buffers_uncast():
+    """Lowered for a TPU with bfloat16 activations over float32 buffers: the Mosaic call
+    reads the buffers themselves (float32 operands), no cast of every slot before it."""
+    args = (jax.ShapeDtypeStruct((32, 512), jnp.bfloat16),
+            [(jax.ShapeDtypeStruct((64, 16, 512), jnp.float32),
+              jax.ShapeDtypeStruct((64, 16, 256), jnp.float32))],
+            jax.ShapeDtypeStruct((32,), jnp.int32), jax.ShapeDtypeStruct((16,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32))
+    text = export_for_tpu(lambda x, w, ti, sl, c: indexed_lora(x, w, ti, sl, c),
+                          args).mlir_module()
+    call = next(line for line in text.splitlines() if "custom_call @tpu_custom_call" in line)
+    assert "tensor<64x16x512xf32>, tensor<64x16x256xf32>) ->" in call
+    assert "tensor<64x16x512xf32>) -> tensor<64x16x512xbf16>" not in text

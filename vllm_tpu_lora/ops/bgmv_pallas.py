@@ -198,7 +198,12 @@ def indexed_linear(
     interpret = default_interpret() if interpret is None else interpret
     cdt = _compute_dtype(x.dtype)
     fn = _bound(indexed_lora, interpret=interpret, precision=jax_matmul_precision())
-    weights = [(a.to(cdt), b.to(cdt)) for a, b in zip(lora_a, lora_b)]
+    # The buffers go in as they are (the kernel casts a group at a time: a cast here
+    # would read every slot); float16, which a TPU kernel may not cast, goes in as cdt.
+    def kept(w):
+        return w if w.dtype in (torch.float32, torch.bfloat16) else w.to(cdt)
+
+    weights = [(kept(a), kept(b)) for a, b in zip(lora_a, lora_b)]
     extra = () if count is None else (count.to(torch.int32),)
     return interop.call_jax(traced_without_x64(fn), x.to(cdt), weights,
                             token_lora_idx.to(torch.int32),

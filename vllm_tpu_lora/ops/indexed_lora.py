@@ -64,28 +64,36 @@ def max_group(rank: int, num_positions: int, dtype) -> int:
 
 
 def vmem_bytes(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype,
-               group: int = 1, depth: int = 2) -> int:
+               group: int = 1, depth: int = 2, weight_dtype=None) -> int:
     """Estimated VMEM of one instance (ops/vmem.py's rules): double-buffered x, position
-    and output blocks, `depth` groups of A and B per slice (the one computing, the ones
-    in flight), the float32 accumulators, and temporaries (the shrink's float32 result
-    and its cast, the expand's float32 product, a group's A merged for the NT shrink)."""
+    and output blocks (`dtype`), `depth` groups of A and B per slice as the buffers hold
+    them (`weight_dtype`, default `dtype`; the one computing, the ones in flight), the
+    float32 accumulators, and temporaries: the shrink's float32 result and its cast, the
+    expand's float32 product, a group's A and B loaded as [G*R, *] values (and cast to
+    `dtype` where the buffers hold another), A relaid out for the NT shrink."""
     s, pad, lanes = vmem.itemsize(dtype), vmem.padded_block_bytes, group * rank
+    ws = vmem.itemsize(weight_dtype or dtype)
     blocks = pad(tile, d, s) + pad(tile, 1, 4) + sum(pad(tile, o, s) for o in outs)
-    groups = depth * group * sum(pad(rank, d, s) + pad(rank, o, s) for o in outs)
+    groups = depth * group * sum(pad(rank, d, ws) + pad(rank, o, ws) for o in outs)
     scratch = sum(pad(tile, o, 4) for o in outs)
     widest = max(outs)
-    temps = (pad(tile, lanes, 4) + pad(tile, lanes, s) + pad(tile, widest, 4)
-             + pad(lanes, d, s))
+    loaded = pad(lanes, d, ws) + pad(lanes, widest, ws)
+    casts = 0 if ws == s else pad(lanes, d, s) + pad(lanes, widest, s)
+    temps = (pad(tile, lanes, 4) + pad(tile, lanes, s) + pad(tile, widest, 4) + loaded
+             + casts + pad(d, lanes, s))
     return 2 * blocks + groups + scratch + temps
 
 
 def fitting_plan(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype,
-                 group: int = 1, depth: int = DEPTH) -> tuple[int, int, int]:
+                 group: int = 1, depth: int = DEPTH, weight_dtype=None) -> tuple[int, int, int]:
     """(token tile, group, depth) within the budget: the depth lowered first (down to
     double buffering), then the group halved (a step's tokens in one tile read each
     adapter once), then the token tile (down to 16 rows); a shape that does not fit
     even then is refused."""
-    while vmem_bytes(tile, d, outs, rank, dtype, group, depth) > VMEM_BUDGET_BYTES:
+    def estimate():
+        return vmem_bytes(tile, d, outs, rank, dtype, group, depth, weight_dtype)
+
+    while estimate() > VMEM_BUDGET_BYTES:
         if depth > 2:
             depth -= 1
         elif group > 1:
@@ -94,7 +102,7 @@ def fitting_plan(tile: int, d: int, outs: tuple[int, ...], rank: int, dtype,
             tile //= 2
         else:
             break
-    need = vmem.required_limit_bytes(vmem_bytes(tile, d, outs, rank, dtype, group, depth))
+    need = vmem.required_limit_bytes(estimate())
     if need > vmem.VMEM_LIMIT_CEILING_BYTES:
         raise ValueError(f"indexed_lora: D={d}, outputs {outs} at rank {rank}, tile {tile} "
                          f"{vmem.dtype_name(dtype)} need ~{need // vmem.MiB} MiB of VMEM, "
@@ -171,10 +179,12 @@ def _kernel(count_ref, slot_ref, x_ref, pos_ref, *refs, n_slices, group, depth, 
         col = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], lanes), 1)
         own = (col >= first) & (col < first + i32(rank))
         for a, b, acc in zip(bufs[:n], bufs[n:], acc_refs):
-            h = _nt_dot(x, _merged(a, buf, lanes), precision)  # [TM, G*R] float32
+            # The buffers' dtype is cast here, a group at a time: casting a buffer
+            # before the call would read all its slots.
+            h = _nt_dot(x, _merged(a, buf, lanes).astype(x.dtype), precision)  # [TM, G*R]
             h = jnp.where(own, h, jnp.zeros_like(h)).astype(x.dtype)
             acc[...] += jax.lax.dot_general(
-                h, _merged(b, buf, lanes), (((1,), (0,)), ((), ())),
+                h, _merged(b, buf, lanes).astype(x.dtype), (((1,), (0,)), ((), ())),
                 precision=dot_precision(h.dtype, precision),
                 preferred_element_type=jnp.float32)
 
@@ -199,7 +209,8 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, depth=
     < count[0], 0 where p = -1, per slice i of weights [(A_i [N, R, D], B_i [N, R, O_i])]
     (rank-first, as a TPU's slot buffers hold them). x [T_pad, D] with T_pad % tile == 0;
     positions int32 [T_pad, 1]; `group` adapters per grid step, `depth` groups' buffers
-    (depth - 1 groups fetched ahead). Returns
+    (depth - 1 groups fetched ahead). The weights keep their own dtype (one for all),
+    cast to x's in the kernel. Returns
     [out_i [T_pad, O_i]] (x.dtype), float32 accumulation."""
     (t_pad, d), p = x.shape, slots.shape[0]
     r = weights[0][0].shape[1]
@@ -208,6 +219,9 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, depth=
         if a.shape[1:] != (r, d) or b.shape[1] != r or a.shape[0] != b.shape[0]:
             raise ValueError(f"indexed_kernel: A {a.shape}, B {b.shape} do not match "
                              f"[N, R, D={d}], [N, R, O] with one rank R")
+    wdt = weights[0][0].dtype
+    if any(w.dtype != wdt for pair in weights for w in pair):
+        raise ValueError("indexed_kernel: the weights must share one dtype")
     if t_pad % tile:
         raise ValueError(f"indexed_kernel: token tile {tile} must divide T_pad={t_pad}")
     _check_precision(precision)
@@ -215,7 +229,8 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, depth=
     if groups * group > p:  # read only below the count, but in range for the prefetch
         slots = jnp.concatenate([slots, jnp.zeros(groups * group - p, jnp.int32)])
     depth = max(1, min(depth, groups))
-    limit = vmem.explicit_vmem_limit(vmem_bytes(tile, d, outs, r, x.dtype, group, depth))
+    limit = vmem.explicit_vmem_limit(vmem_bytes(tile, d, outs, r, x.dtype, group, depth,
+                                                wdt))
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -224,8 +239,8 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, depth=
                   pl.BlockSpec((tile, 1), lambda t, g, c, s: (t, 0)),
                   *[any_space] * (2 * len(weights))],
         out_specs=[pl.BlockSpec((tile, o), lambda t, g, c, s: (t, 0)) for o in outs],
-        scratch_shapes=[*[pltpu.VMEM((depth, group, r, d), x.dtype) for _ in outs],
-                        *[pltpu.VMEM((depth, group, r, o), x.dtype) for o in outs],
+        scratch_shapes=[*[pltpu.VMEM((depth, group, r, d), wdt) for _ in outs],
+                        *[pltpu.VMEM((depth, group, r, o), wdt) for o in outs],
                         *[pltpu.VMEM((tile, o), jnp.float32) for o in outs],
                         pltpu.SemaphoreType.DMA((depth,))],
     )
@@ -238,8 +253,8 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, depth=
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=limit),
         interpret=interpret,
         name="lora_indexed",
-    )(count, slots, x, positions, *[in_hbm(a.astype(x.dtype), interpret) for a, _ in weights],
-      *[in_hbm(b.astype(x.dtype), interpret) for _, b in weights])
+    )(count, slots, x, positions, *[in_hbm(a, interpret) for a, _ in weights],
+      *[in_hbm(b, interpret) for _, b in weights])
 
 
 def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, group=None,
@@ -258,8 +273,9 @@ def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, group=
     t, d = x.shape
     r, p = weights[0][0].shape[1], active_slots.shape[0]
     outs = tuple(b.shape[2] for _, b in weights)
-    start = max_group(r, p, x.dtype) if group is None else group
-    tile, group, depth = fitting_plan(token_tile(t), d, outs, r, x.dtype, start, depth)
+    wdt = weights[0][0].dtype
+    start = max_group(r, p, wdt) if group is None else group
+    tile, group, depth = fitting_plan(token_tile(t), d, outs, r, x.dtype, start, depth, wdt)
     t_pad = -(-t // tile) * tile
     if count is None:
         slots, positions, count = used_first(token_lora_idx, active_slots)
