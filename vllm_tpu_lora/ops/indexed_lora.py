@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from vllm_tpu_lora.ops import vmem
-from vllm_tpu_lora.ops.grouped_lora import token_tile  # the same tiles: up to 128 rows
+from vllm_tpu_lora.ops.grouped_lora import _i32, token_tile  # its tiles and x64-safe ints
 from vllm_tpu_lora.ops.pallas_kernels import _check_precision, _nt_dot, dot_precision, in_hbm
 
 VMEM_BUDGET_BYTES = 32 * vmem.MiB
@@ -115,13 +115,12 @@ def used_first(token_lora_idx: jax.Array, active_slots: jax.Array):
     front, in order, their device slots, each token's new position, and how many are
     used. Small integer ops, once per call (the engine passes its host's count)."""
     p = active_slots.shape[0]
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     pos = token_lora_idx.astype(jnp.int32)
-    used = jnp.zeros(p + 1, jnp.int32).at[jnp.where(pos < i32(0), i32(p), pos)].set(i32(1))[:p]
+    used = jnp.zeros(p + 1, jnp.int32).at[jnp.where(pos < _i32(0), _i32(p), pos)].set(_i32(1))[:p]
     # Stable: used positions first, in their order (argsort of 0/1 keys).
-    order = jnp.argsort(i32(1) - used, stable=True).astype(jnp.int32)
+    order = jnp.argsort(_i32(1) - used, stable=True).astype(jnp.int32)
     new_pos = jnp.zeros(p, jnp.int32).at[order].set(jnp.arange(p, dtype=jnp.int32))
-    tokens = jnp.where(pos < i32(0), i32(-1), new_pos[jnp.maximum(pos, i32(0))])
+    tokens = jnp.where(pos < _i32(0), _i32(-1), new_pos[jnp.maximum(pos, _i32(0))])
     count = jnp.sum(used, dtype=jnp.int32)[None]
     return active_slots.astype(jnp.int32)[order], tokens, count
 
@@ -132,42 +131,41 @@ def _kernel(count_ref, slot_ref, x_ref, pos_ref, *refs, n_slices, group, depth, 
     o_refs = refs[2 * n:3 * n]
     bufs = refs[3 * n:5 * n]  # the same order, [depth, G, R, *] in VMEM
     acc_refs, sem = refs[5 * n:6 * n], refs[6 * n]
-    # int32 constants throughout: under torchax x64 a Python int would trace as int64.
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    g, last = pl.program_id(1), pl.num_programs(1) - i32(1)
+    # int32 constants throughout (_i32): under x64 a Python int would trace as int64.
+    g, last = pl.program_id(1), pl.num_programs(1) - _i32(1)
     count = count_ref[0]
-    used_groups = (count + i32(group - 1)) // i32(group)
+    used_groups = (count + _i32(group - 1)) // _i32(group)
 
     def copies(grp, buf):
         out = []
         for j in range(group):
-            p = i32(grp) * i32(group) + i32(j)
-            slot = slot_ref[jnp.where(p < count, p, i32(0))]  # past the count: position 0's
-            out += [pltpu.make_async_copy(src.at[slot], dst.at[buf, i32(j)], sem.at[buf])
+            p = _i32(grp) * _i32(group) + _i32(j)
+            slot = slot_ref[jnp.where(p < count, p, _i32(0))]  # past the count: position 0's
+            out += [pltpu.make_async_copy(src.at[slot], dst.at[buf, _i32(j)], sem.at[buf])
                     for src, dst in zip(hbm, bufs)]
         return out
 
-    @pl.when(g == i32(0))
+    @pl.when(g == _i32(0))
     def _init():
         for acc in acc_refs:
             acc[...] = jnp.zeros_like(acc)
 
         for k in range(depth - 1):  # the first groups, ahead
-            @pl.when(i32(k) < used_groups)
+            @pl.when(_i32(k) < used_groups)
             def _first(k=k):  # called at once: binds this k
-                for c in copies(k, i32(k)):
+                for c in copies(k, _i32(k)):
                     c.start()
 
-    ahead = g + i32(depth - 1)
+    ahead = g + _i32(depth - 1)
 
     @pl.when(ahead < used_groups)
     def _prefetch():  # into the buffer the previous group has finished with
-        for c in copies(ahead, ahead % i32(depth)):
+        for c in copies(ahead, ahead % _i32(depth)):
             c.start()
 
     @pl.when(g < used_groups)
     def _delta():
-        buf = g % i32(depth)
+        buf = g % _i32(depth)
         for c in copies(g, buf):
             c.wait()
         x = x_ref[...]
@@ -175,9 +173,9 @@ def _kernel(count_ref, slot_ref, x_ref, pos_ref, *refs, n_slices, group, depth, 
         lanes = group * rank
         # Column c of the group belongs to its position c // R; a token keeps the
         # columns of its own position (range tests: no vector integer division).
-        first = (pos_ref[...] - g * i32(group)) * i32(rank)  # [TM, 1]
+        first = (pos_ref[...] - g * _i32(group)) * _i32(rank)  # [TM, 1]
         col = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], lanes), 1)
-        own = (col >= first) & (col < first + i32(rank))
+        own = (col >= first) & (col < first + _i32(rank))
         for a, b, acc in zip(bufs[:n], bufs[n:], acc_refs):
             # The buffers' dtype is cast here, a group at a time: casting a buffer
             # before the call would read all its slots.
