@@ -264,19 +264,31 @@ def layer_check(pk, bs, jnp, linears, t, n, r, dtype, interpret):
                   ok=bool(max(errs.values()) < tol and base_rows_zero and finite)))
 
 
+def step_tokens(rng, t, active, sequence_tokens):
+    """Each token's adapter (0..active-1). One token a sequence (a decode step): drawn at
+    random. Longer sequences (a prefill): sequence i's `sequence_tokens` tokens in a row
+    on adapter i % active, numbered as met, as the engine's host lays a step out."""
+    if sequence_tokens <= 1:
+        return rng.integers(0, active, size=t).astype(np.int32)
+    seqs = -(-t // sequence_tokens)
+    return np.repeat(np.arange(seqs) % active, sequence_tokens)[:t].astype(np.int32)
+
+
 def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, interpret,
-                chip, wanted=("per_slice", "onehot", "grouped", "single"), profile_dir=None):
+                chip, wanted=("per_slice", "onehot", "grouped", "single"), profile_dir=None,
+                sequence_tokens=1):
     """N device slots, `active` of them used by this step's tokens (what the Pallas
     path's layout and onehot's graph bucket are sized by)."""
     rng = np.random.default_rng(0)
     jt = jnp.dtype(dtype)
     block = bs.token_block(dtype, "pallas", t, active)
-    token_slot = rng.integers(0, active, size=t).astype(np.int32)  # every token on an adapter
+    token_slot = step_tokens(rng, t, active, sequence_tokens)  # every token on an adapter
     lay = with_plan(jnp, step_arrays(jnp, token_slot, active, block), n, r)
     comps = compositions(pk, jnp, block, interpret)
     xla = load_torch_free("lora.step_layout").xla_strategy(t, active, n, on_tpu=True, rank=r)
     row = dict(part="layer", T=t, N=n, active=active, R=r, dtype=dtype, block=block,
-               xla_strategy=xla)
+               xla_strategy=xla, sequence_tokens=sequence_tokens,
+               adapters_used=len(set(token_slot.tolist())))
     paths = tuple(p for p in ("per_slice", "onehot", "stacked", "onehot_by_input", "grouped",
                               "indexed")
                   if p in wanted) + (
@@ -296,7 +308,7 @@ def layer_bench(pk, bs, jax, jnp, linears, t, n, active, r, dtype, k_max, reps, 
                       (y0, lay, at_s, bt_s) if k == "onehot_by_input" else (y0, lay, a_s, bt_s))
                   for k, fn in comps.items()}}
         o = sum(sizes)
-        roof = roofline_ms(chip, t, d, o, r, active, jt.itemsize)
+        roof = roofline_ms(chip, t, d, o, r, row["adapters_used"], jt.itemsize)
         row[f"{name}_roofline_ms"] = round(roof, 4)
         totals["roofline"] += roof
         for what in ("base",) + paths:
@@ -388,6 +400,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--k", type=int, default=32, help="most inputs per dispatch")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--sequence-tokens", type=int, default=1,
+                   help="tokens a sequence: 1 = a decode step (adapters drawn per token); "
+                   "more = a prefill, each sequence's tokens in a row on one adapter")
     p.add_argument("--profile-dir", default=None,
                    help="also trace each path once per linear and emit its device time by op")
     args = p.parse_args(argv)
@@ -415,7 +430,8 @@ def main(argv=None):
             for a in sorted({n, *(a for a in args.active if a < n)}, reverse=True)]
         for t, n, a, r in grid:
             layer_bench(pk, bs, jax, jnp, linears, t, n, a, r, args.dtype, args.k, args.reps,
-                        args.interpret, chip, args.paths, args.profile_dir)
+                        args.interpret, chip, args.paths, args.profile_dir,
+                        args.sequence_tokens)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from vllm_tpu_lora.ops.indexed_lora import (
     fitting_plan,
     indexed_lora,
     max_group,
+    tile_groups,
     token_tile,
     used_first,
     vmem_bytes,
@@ -33,6 +34,15 @@ def _step(rng, t, n, p, kind):
         pos = rng.choice([-1, 0, p - 1], size=t)
     elif kind == "all_base":
         pos = np.full(t, -1)
+    elif kind == "runs":  # a prefill: sequence by sequence, adapters numbered as met
+        pos, met = [], 0
+        while len(pos) < t:
+            if met < p and rng.random() < 0.7:
+                seq, met = met, met + 1  # a new adapter
+            else:  # an adapter met before, or the base model
+                seq = int(rng.integers(-1, met)) if met else -1
+            pos += [seq] * int(rng.integers(1, 60))
+        pos = np.asarray(pos[:t])
     else:
         raise ValueError(kind)
     return active, pos.astype(np.int32)
@@ -55,6 +65,7 @@ CASES = [
     (300, 32, 32, 64, 128, (128, 256), "uniform"),
     (64, 16, 16, 16, 128, (128,), "all_base"),
     (130, 64, 16, 16, 256, (384,), "padded"),
+    (700, 64, 32, 16, 128, (128, 256), "runs"),
 ]
 
 
@@ -104,6 +115,25 @@ def test_indexed_kernel_with_the_hosts_count():
                      active, pos)
     assert np.isfinite(got).all() and np.all(got[pos < 0] == 0)
     assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < 1e-5
+
+
+def test_tile_groups_spans_each_tiles_positions():
+    """Each token tile's run of groups: from its lowest position's group to its highest's,
+    none for a tile of base tokens (checked against a loop over the tiles)."""
+    rng = np.random.default_rng(3)
+    tile, group = 128, 8
+    _, pos = _step(rng, 1024, 128, 64, "runs")
+    pos[256:384] = -1  # a tile of base tokens only
+    first, number = map(np.asarray, tile_groups(jnp.asarray(pos), tile, group))
+    for i, chunk in enumerate(pos.reshape(-1, tile)):
+        used = chunk[chunk >= 0]
+        if used.size == 0:
+            assert number[i] == 0
+            continue
+        assert first[i] == used.min() // group
+        assert first[i] + number[i] - 1 == used.max() // group
+    # Sequence by sequence, a prefill tile spans a few groups, not the step's every one.
+    assert number.sum() < len(number) * (-(-int(pos.max() + 1) // group))
 
 
 @pytest.mark.parametrize("group,depth", [(1, 1), (2, 2), (4, 3), (2, 4)])
@@ -222,9 +252,10 @@ def test_indexed_kernel_lowers_for_tpu(t, n, p, r, d, outs):
             jax.ShapeDtypeStruct((1,), jnp.int32))
     with enable_x64(True):
         exported = export_for_tpu(lambda x, w, ti, sl, c: indexed_lora(x, w, ti, sl, c), args)
-    # The slot buffers stay in HBM (operands after count, slots, x and positions): the
-    # kernel fetches the step's slots itself, XLA may not prefetch them all into VMEM.
-    assert hbm_operands(exported) == [list(range(4, 4 + 2 * len(outs)))]
+    # The slot buffers stay in HBM (operands after count, slots, each tile's run of
+    # groups, x and positions): the kernel fetches the step's slots itself, XLA may not
+    # prefetch them all into VMEM.
+    assert hbm_operands(exported) == [list(range(6, 6 + 2 * len(outs)))]
     assert "tpu_custom_call" in exported.mlir_module()
 
 

@@ -132,12 +132,15 @@ def test_grouped_kernel_on_mosaic_matches_float64(t, s, r, d, o, dtype):
     (16, 8, 4, 16, 256, (384,), "float32", None),
     (32, 128, 32, 16, 4096, (4096, 1024, 1024), "bfloat16", None),
     (200, 64, 16, 64, 14336, (4096,), "bfloat16", None),
-    (32, 128, 32, 16, 4096, (14336, 14336), "bfloat16", 27)])
+    (32, 128, 32, 16, 4096, (14336, 14336), "bfloat16", 27),
+    (1024, 128, 32, 16, 4096, (4096, 1024, 1024), "bfloat16", "runs")])
 def test_indexed_kernel_on_mosaic_matches_float64(t, n, p, r, d, outs, dtype, used):
     """The indexed kernel (ops/indexed_lora.py) compiled by Mosaic, at Llama-3-8B widths
     over 128 slots, against float64 numpy; slots no token uses hold NaN (never read).
     used: the engine's call, the host's count of the step's adapters listed first (27 of
-    a 32 bucket: a last group partly used; gate_up's widths, the largest VMEM plan)."""
+    a 32 bucket: a last group partly used; gate_up's widths, the largest VMEM plan);
+    "runs": a prefill, sequence by sequence, adapters numbered as met (each token tile
+    visits only its run of groups)."""
     import jax.numpy as jnp
 
     from vllm_tpu_lora.ops.indexed_lora import indexed_lora
@@ -146,7 +149,13 @@ def test_indexed_kernel_on_mosaic_matches_float64(t, n, p, r, d, outs, dtype, us
     active = rng.choice(n, size=p, replace=False).astype(np.int32)
     pos = np.where(rng.random(t) < 0.1, -1, rng.integers(0, p, size=t)).astype(np.int32)
     count = None
-    if used is not None:
+    if used == "runs":  # 32 sequences of 32 tokens, every fourth on an adapter met before
+        seq = np.arange(32)
+        seq[3::4] = seq[3::4] // 2
+        met = {a: i for i, a in enumerate(dict.fromkeys(seq.tolist()))}  # numbered as met
+        pos = np.repeat([met[a] for a in seq.tolist()], t // 32).astype(np.int32)
+        count = jnp.asarray([int(pos.max()) + 1], jnp.int32)
+    elif used is not None:
         pos = np.where(pos < 0, -1, pos % used).astype(np.int32)
         pos[:used] = np.arange(used)  # the contract: every position below the count used
         count = jnp.asarray([used], jnp.int32)
