@@ -14,7 +14,7 @@ from vllm_tpu_lora.ops.indexed_lora import (
     fitting_plan,
     indexed_lora,
     max_group,
-    tile_groups,
+    tile_runs,
     token_tile,
     used_first,
     vmem_bytes,
@@ -117,23 +117,23 @@ def test_indexed_kernel_with_the_hosts_count():
     assert np.max(np.abs(got - ref)) / np.sqrt(np.mean(ref ** 2)) < 1e-5
 
 
-def test_tile_groups_spans_each_tiles_positions():
-    """Each token tile's run of groups: from its lowest position's group to its highest's,
-    none for a tile of base tokens (checked against a loop over the tiles)."""
+def test_tile_runs_span_each_tiles_positions():
+    """Each token tile's run: its lowest and highest position and the groups holding
+    them, none for a tile of base tokens (checked against a loop over the tiles)."""
     rng = np.random.default_rng(3)
     tile, group = 128, 8
     _, pos = _step(rng, 1024, 128, 64, "runs")
     pos[256:384] = -1  # a tile of base tokens only
-    first, number = map(np.asarray, tile_groups(jnp.asarray(pos), tile, group))
+    lo, hi, first, number = map(np.asarray, tile_runs(jnp.asarray(pos), tile, group))
     for i, chunk in enumerate(pos.reshape(-1, tile)):
         used = chunk[chunk >= 0]
         if used.size == 0:
-            assert number[i] == 0
+            assert number[i] == 0 and hi[i] == -1
             continue
-        assert first[i] == used.min() // group
-        assert first[i] + number[i] - 1 == used.max() // group
-    # Sequence by sequence, a prefill tile spans a few groups, not the step's every one.
-    assert number.sum() < len(number) * (-(-int(pos.max() + 1) // group))
+        assert (lo[i], hi[i]) == (used.min(), used.max())
+        assert (first[i], first[i] + number[i] - 1) == (used.min() // group, used.max() // group)
+    # Sequence by sequence, a prefill tile fetches a few adapters, not the step's every one.
+    assert (hi - lo + 1)[number > 0].sum() < (number > 0).sum() * (pos.max() + 1) / 2
 
 
 @pytest.mark.parametrize("group,depth", [(1, 1), (2, 2), (4, 3), (2, 4)])
@@ -252,10 +252,10 @@ def test_indexed_kernel_lowers_for_tpu(t, n, p, r, d, outs):
             jax.ShapeDtypeStruct((1,), jnp.int32))
     with enable_x64(True):
         exported = export_for_tpu(lambda x, w, ti, sl, c: indexed_lora(x, w, ti, sl, c), args)
-    # The slot buffers stay in HBM (operands after count, slots, each tile's run of
-    # groups, x and positions): the kernel fetches the step's slots itself, XLA may not
+    # The slot buffers stay in HBM (the operands after the slots, each tile's run (four
+    # arrays), x and positions): the kernel fetches the step's slots itself, XLA may not
     # prefetch them all into VMEM.
-    assert hbm_operands(exported) == [list(range(6, 6 + 2 * len(outs)))]
+    assert hbm_operands(exported) == [list(range(7, 7 + 2 * len(outs)))]
     assert "tpu_custom_call" in exported.mlir_module()
 
 

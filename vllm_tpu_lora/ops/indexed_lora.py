@@ -27,16 +27,16 @@ groups); group g holds positions g*G .. g*G+G-1, and
     h    = where(token's position == column's, h, 0)
     acc += h @ B_g                             the expand [G*R, O], accumulated in VMEM
 
-Each token tile visits only the groups between its lowest and its highest position
-(`tile_groups`, a few small ops per step): a step's tokens come sequence by sequence and
-the host numbers adapters as it meets them, so a prefill tile of a few sequences spans a
-group or two, not the step's every adapter (before, each tile read them all: 490 ms
-against onehot's 432 for 20 prefills of 1,024 tokens over 32 adapters on a v5e). A
-decode tile spans them all, as before. Groups outside a tile's run, and past the count,
-are neither fetched nor computed. A position past the count inside a group fetches
-position 0's adapter instead (a used one: finite weights whatever the unused slots hold)
-and its columns are masked out. FLOPs are 2 * T * P * R * (D + O) for P used adapters
-at most; bytes each used adapter's A and B once per tile whose run holds it.
+Each token tile fetches only the positions from its lowest to its highest (`tile_runs`,
+a few small ops per step), and visits only the groups holding them: a step's rows follow
+its sequences and the host numbers adapters as the sequences meet them, so a prefill
+tile of a few sequences fetches those few adapters, not the step's every one (before,
+each tile read them all: 490 ms against onehot's 432 for 20 prefills of 1,024 tokens
+over 32 adapters on a v5e). A decode tile spans them all, as before. A group's members
+outside the tile's run are not fetched; their B rows are zeroed in VMEM (they meet the
+select's zeros in the expand and must be finite), their A lanes are dropped by the
+select. FLOPs are 2 * T * P * R * (D + O) for P used adapters at most; bytes each used
+adapter's A and B once per tile whose run holds it.
 """
 
 from __future__ import annotations
@@ -129,20 +129,22 @@ def used_first(token_lora_idx: jax.Array, active_slots: jax.Array):
     return active_slots.astype(jnp.int32)[order], tokens, count
 
 
-def tile_groups(positions: jax.Array, tile: int, group: int):
-    """(first [tiles], number [tiles]) int32: the run of groups each token tile's
-    positions fall in (group of position p: p // group), number 0 for a tile of base
-    tokens only. positions int32 [T_pad], T_pad % tile == 0, -1 for no adapter."""
+def tile_runs(positions: jax.Array, tile: int, group: int):
+    """Each token tile's run of positions and of groups, int32 [tiles] each: (lowest and
+    highest position its tokens use, first group, number of groups), -1 / 0 for a tile
+    of base tokens only. positions int32 [T_pad], T_pad % tile == 0, -1 for none."""
     pos = positions.reshape(-1, tile)
     used = pos >= _i32(0)
-    big = _i32(jnp.iinfo(jnp.int32).max)
-    lo = jnp.min(jnp.where(used, pos, big), axis=1) // _i32(group)
-    hi = jnp.max(jnp.where(used, pos, _i32(-1)), axis=1) // _i32(group)
-    number = jnp.where(jnp.any(used, axis=1), hi - lo + _i32(1), _i32(0))
-    return jnp.where(number > _i32(0), lo, _i32(0)).astype(jnp.int32), number.astype(jnp.int32)
+    lo = jnp.min(jnp.where(used, pos, _i32(jnp.iinfo(jnp.int32).max)), axis=1)
+    hi = jnp.max(jnp.where(used, pos, _i32(-1)), axis=1)
+    any_used = hi >= _i32(0)
+    lo = jnp.where(any_used, lo, _i32(-1))
+    first = jnp.where(any_used, lo // _i32(group), _i32(0))
+    number = jnp.where(any_used, hi // _i32(group) - first + _i32(1), _i32(0))
+    return lo, hi, first, number
 
 
-def _kernel(count_ref, slot_ref, first_ref, number_ref, x_ref, pos_ref, *refs, n_slices,
+def _kernel(slot_ref, lo_ref, hi_ref, first_ref, number_ref, x_ref, pos_ref, *refs, n_slices,
             group, depth, precision):
     n = n_slices
     hbm = refs[:2 * n]  # A_0 .. A_n-1, B_0 .. B_n-1: [N, R, *] where the buffers lie
@@ -152,16 +154,24 @@ def _kernel(count_ref, slot_ref, first_ref, number_ref, x_ref, pos_ref, *refs, n
     # int32 constants throughout (_i32): under x64 a Python int would trace as int64.
     # g counts this tile's groups; its group in the step is first + g.
     t, g, last = pl.program_id(0), pl.program_id(1), pl.num_programs(1) - _i32(1)
-    count, first_group, used_groups = count_ref[0], first_ref[t], number_ref[t]
+    lo, hi, first_group, used_groups = lo_ref[t], hi_ref[t], first_ref[t], number_ref[t]
 
-    def copies(grp, buf):  # grp: the tile's grp-th group
+    def members(grp):
+        """(fetched?, position) of each member of the tile's grp-th group: only positions
+        in the tile's run are fetched."""
         out = []
         for j in range(group):
             p = (first_group + _i32(grp)) * _i32(group) + _i32(j)
-            slot = slot_ref[jnp.where(p < count, p, _i32(0))]  # past the count: position 0's
-            out += [pltpu.make_async_copy(src.at[slot], dst.at[buf, _i32(j)], sem.at[buf])
-                    for src, dst in zip(hbm, bufs)]
+            out.append(((p >= lo) & (p <= hi), p))
         return out
+
+    def each_copy(grp, buf, action):
+        for j, (fetched, p) in enumerate(members(grp)):
+            @pl.when(fetched)
+            def _copy(j=j, p=p):  # called at once: binds this member
+                for src, dst in zip(hbm, bufs):
+                    action(pltpu.make_async_copy(src.at[slot_ref[p]], dst.at[buf, _i32(j)],
+                                                 sem.at[buf]))
 
     @pl.when(g == _i32(0))
     def _init():
@@ -171,21 +181,25 @@ def _kernel(count_ref, slot_ref, first_ref, number_ref, x_ref, pos_ref, *refs, n
         for k in range(depth - 1):  # the first groups, ahead
             @pl.when(_i32(k) < used_groups)
             def _first(k=k):  # called at once: binds this k
-                for c in copies(k, _i32(k)):
-                    c.start()
+                each_copy(_i32(k), _i32(k), lambda c: c.start())
 
     ahead = g + _i32(depth - 1)
 
     @pl.when(ahead < used_groups)
     def _prefetch():  # into the buffer the previous group has finished with
-        for c in copies(ahead, ahead % _i32(depth)):
-            c.start()
+        each_copy(ahead, ahead % _i32(depth), lambda c: c.start())
 
     @pl.when(g < used_groups)
     def _delta():
         buf = g % _i32(depth)
-        for c in copies(g, buf):
-            c.wait()
+        each_copy(g, buf, lambda c: c.wait())
+        # A member outside the run was not fetched: its A lanes are dropped by the
+        # select below, but its B rows meet those zeros, so they must be finite.
+        for j, (fetched, _) in enumerate(members(g)):
+            @pl.when(jnp.logical_not(fetched))
+            def _zero(j=j):
+                for b in bufs[n:]:
+                    b[buf, _i32(j)] = jnp.zeros(b.shape[2:], b.dtype)
         x = x_ref[...]
         rank = bufs[0].shape[2]
         lanes = group * rank
@@ -219,16 +233,16 @@ def _merged(ref, buf, lanes):
 
 @functools.partial(jax.jit, static_argnames=("tile", "group", "depth", "interpret",
                                              "precision"))
-def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, depth=2,
+def indexed_kernel(slots, positions, x, weights, *, tile, group=1, depth=2,
                    interpret=False, precision="default"):
-    """Semantics: out_i[t] = x[t] @ A_i[slots[p]].T @ B_i[slots[p]] for p = positions[t]
-    < count[0], 0 where p = -1, per slice i of weights [(A_i [N, R, D], B_i [N, R, O_i])]
-    (rank-first, as a TPU's slot buffers hold them). x [T_pad, D] with T_pad % tile == 0;
-    positions int32 [T_pad, 1]; `group` adapters per grid step, `depth` groups' buffers
-    (depth - 1 groups fetched ahead); a token tile visits only the groups its positions
-    span (tile_groups). The weights keep their own dtype (one for all),
-    cast to x's in the kernel. Returns
-    [out_i [T_pad, O_i]] (x.dtype), float32 accumulation."""
+    """Semantics: out_i[t] = x[t] @ A_i[slots[p]].T @ B_i[slots[p]] for p = positions[t],
+    0 where p = -1, per slice i of weights [(A_i [N, R, D], B_i [N, R, O_i])] (rank-first,
+    as a TPU's slot buffers hold them). x [T_pad, D] with T_pad % tile == 0; positions
+    int32 [T_pad, 1]; `group` adapters per grid step, `depth` groups' buffers (depth - 1
+    groups fetched ahead). A token tile fetches the positions from its lowest to its
+    highest (tile_runs): each must name a slot of finite weights. The weights keep their
+    own dtype (one for all), cast to x's in the kernel. Returns [out_i [T_pad, O_i]]
+    (x.dtype), float32 accumulation."""
     (t_pad, d), p = x.shape, slots.shape[0]
     r = weights[0][0].shape[1]
     outs = tuple(b.shape[2] for _, b in weights)
@@ -243,15 +257,13 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, depth=
         raise ValueError(f"indexed_kernel: token tile {tile} must divide T_pad={t_pad}")
     _check_precision(precision)
     groups = -(-p // group)
-    if groups * group > p:  # read only below the count, but in range for the prefetch
-        slots = jnp.concatenate([slots, jnp.zeros(groups * group - p, jnp.int32)])
     depth = max(1, min(depth, groups))
-    first, number = tile_groups(positions[:, 0], tile, group)
+    runs = tile_runs(positions[:, 0], tile, group)
     limit = vmem.explicit_vmem_limit(vmem_bytes(tile, d, outs, r, x.dtype, group, depth,
                                                 wdt))
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=(t_pad // tile, groups),
         in_specs=[pl.BlockSpec((tile, d), lambda t, g, *_: (t, 0)),
                   pl.BlockSpec((tile, 1), lambda t, g, *_: (t, 0)),
@@ -271,7 +283,7 @@ def indexed_kernel(slots, positions, count, x, weights, *, tile, group=1, depth=
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=limit),
         interpret=interpret,
         name="lora_indexed",
-    )(count, slots, first, number, x, positions, *[in_hbm(a, interpret) for a, _ in weights],
+    )(slots, *runs, x, positions, *[in_hbm(a, interpret) for a, _ in weights],
       *[in_hbm(b, interpret) for _, b in weights])
 
 
@@ -283,10 +295,11 @@ def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, group=
 
     x [T, D]; weights [(A [N, R, D], B [N, R, O_i]), ...] (one pair per output slice,
     rank-first); token_lora_idx int32 [T]; active_slots int32 [P] (the onehot
-    strategy's arrays, lora/step_layout.onehot_layout). count int32 [1]: how many of
-    active_slots some token uses, all of them first (the engine's steps: the host lists
-    only the step's adapters); None: found on the device (used_first), a few small ops
-    per call. group: adapters per grid step (None: as many as fill 128 lanes); depth:
+    strategy's arrays, lora/step_layout.onehot_layout). count int32 [1]: given (the
+    engine's host count of the step's adapters, listed first), the positions are used as
+    they are: every one below it is some token's; None: the used ones are moved to the
+    front on the device (used_first), a few small ops per call. Either way a token tile
+    fetches only the positions from its lowest to its highest. group: adapters per grid step (None: as many as fill 128 lanes); depth:
     groups' buffers (both lowered while VMEM is short, ``fitting_plan``)."""
     t, d = x.shape
     r, p = weights[0][0].shape[1], active_slots.shape[0]
@@ -295,15 +308,14 @@ def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, group=
     start = max_group(r, p, wdt) if group is None else group
     tile, group, depth = fitting_plan(token_tile(t), d, outs, r, x.dtype, start, depth, wdt)
     t_pad = -(-t // tile) * tile
-    if count is None:
-        slots, positions, count = used_first(token_lora_idx, active_slots)
+    if count is None:  # else the host's contract holds: no unused position below the count
+        slots, positions, _ = used_first(token_lora_idx, active_slots)
     else:
         slots, positions = active_slots.astype(jnp.int32), token_lora_idx.astype(jnp.int32)
-        count = count.astype(jnp.int32)
     if t_pad > t:  # concatenation, not jnp.pad (x64, see grouped_lora._i32)
         x = jnp.concatenate([x, jnp.zeros((t_pad - t, d), x.dtype)])
         positions = jnp.concatenate([positions, jnp.full((t_pad - t,), -1, jnp.int32)])
-    outs = indexed_kernel(slots, positions[:, None], count, x, weights, tile=tile,
+    outs = indexed_kernel(slots, positions[:, None], x, weights, tile=tile,
                           group=group, depth=depth, interpret=interpret, precision=precision)
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     return out[:t]

@@ -233,12 +233,14 @@ class ModelRunner:
 
     def _activate_loras(self, scheduled: list[ScheduledSeq]) -> tuple[dict[int, int], list[int]]:
         """Adapters of this step into device slots: ({lora_int_id: active position},
-        [device slot of each active position])."""
+        [device slot of each active position]). Positions are numbered as the step's
+        sequences meet them (its rows follow `scheduled`): a prefill's token tile then
+        spans a short run of positions, all the indexed kernel reads for it."""
         requests = {s.seq.lora_int_id: s.seq.lora_request for s in scheduled if s.seq.lora_int_id}
         if not requests:
             return {}, []
         slot_of = self.lora_manager.activate(requests)
-        ids = sorted(slot_of)
+        ids = list(requests)  # first appearance: a dict keeps its keys' first insertion
         return {lid: pos for pos, lid in enumerate(ids)}, [slot_of[lid] for lid in ids]
 
     def lora_kernel_shapes(self, dtype: str) -> list:
