@@ -1,4 +1,4 @@
-"""The LoRA delta of a decode-sized step as one Pallas kernel per linear that reads each
+"""The LoRA delta of a step as one Pallas kernel per linear that reads each adapter the
 adapter the step uses straight from the slot buffers, once, several adapters at a time.
 JAX only (no torch import), like grouped_lora.py.
 
