@@ -1,5 +1,5 @@
 """The LoRA delta of a step as one Pallas kernel per linear that reads each adapter the
-adapter the step uses straight from the slot buffers, once, several adapters at a time.
+step uses straight from the slot buffers, once, several adapters at a time.
 JAX only (no torch import), like grouped_lora.py.
 
 Why (issue 42): a decode step is bound by the bytes it reads, and the least it must read
