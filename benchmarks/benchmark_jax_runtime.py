@@ -41,6 +41,10 @@ from benchmark_throughput import add_model_args, apply_small, make_workload  # n
 from many_adapters import make_many_adapters  # noqa: E402
 from step_timing import timed_generate  # noqa: E402
 
+# How jax_anchor's step may read its n adapters (its docstring); here, not there, so that
+# parsing the arguments imports no jax.
+LORA_FORMS = ("stacked", "all", "gathered", "sliced", "dma")
+
 # What --force-strategy may name (punica's xla strategies; a TPU's rank-first buffers take
 # the first five only, and the engine says so; "indexed" is the jax runtime's only).
 from vllm_tpu_lora.ops import SLOT_COPIES  # noqa: E402
@@ -76,7 +80,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--anchor-calls", type=int, default=30)
     # Each variant is a compile of its own (~30 s on the v5e): one by default.
     p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked"],
-                   choices=["stacked", "all", "gathered", "sliced", "dma"],
+                   choices=LORA_FORMS,
                    help="the anchor's LoRA variants per adapter count (jax_anchor.py; "
                    "none: base only)")
     p.add_argument("--out", default=None, help="append the JSON rows to this file too")

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_jax_runtime import (  # noqa: E402
     FORCEABLE,
     LLAMA_1B,
+    LORA_FORMS,
     SLOT_COPIES,
     anchor_contexts,
     emit,
@@ -63,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
     p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--anchor-lora-forms", nargs="*", default=["stacked", "gathered"],
-                   choices=["stacked", "all", "gathered", "sliced", "dma"])
+                   choices=LORA_FORMS)
     p.add_argument("--out-dir", required=True)
     args = apply_small(p.parse_args())
     if args.small:
