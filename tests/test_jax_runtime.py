@@ -129,6 +129,11 @@ def test_mixed_adapter_batch_matches_peft(request, llama_dir, adapters, backend)
     stats = engine.stats()
     assert stats["lora_slot_loads"] - loads > 2  # 4 adapters through 2 slots
     assert stats["lora_slots_in_use"] <= 2 and stats["compilations_after_warmup"] == 0
+    # The loader thread moved the images of queued requests' adapters to the device
+    # ahead of their writes (lora/staging.py), and every staged copy was dropped once its
+    # slot was written: none is left holding device memory.
+    staging = engine.lora_manager.staging
+    assert staging.num_staged > 0 and staging.staged_bytes == 0
 
 
 def test_tpu_strategies_and_dma_slot_copies_match_peft(llama_dir, adapters, caplog):
@@ -455,3 +460,20 @@ def test_compile_threads_bound_how_many_warm_up_compiles_run_at_once(llama_dir, 
     with pytest.raises(ValueError, match="VLLM_TPU_LORA_COMPILE_THREADS must be a positive "
                                          "integer, got '0'"):
         LLM(llama_dir, runtime="jax", **SMALL_ENGINE)
+
+
+def test_device_staging_is_bounded_by_bytes_and_freed_with_its_copy():
+    """lora/staging.py: images staged beyond the byte budget are left to the write (one
+    is always allowed), and a staged copy's bytes come back once it is dropped."""
+    from vllm_tpu_lora.lora.manager import HostAdapter
+    from vllm_tpu_lora.lora.staging import DeviceStaging
+    from vllm_tpu_lora.runner.jax_runtime import JaxRuntime
+
+    hosts = [HostAdapter(f"a{i}", torch.full((1024,), float(i))) for i in range(3)]
+    staging = DeviceStaging(JaxRuntime(), limit_bytes=6000)  # one 4 KB image fits, not two
+    assert staging.stage(hosts[0]) and not staging.stage(hosts[1])
+    assert hosts[1].device is None and staging.staged_bytes == 4096
+    assert np.array_equal(np.asarray(hosts[0].device._elem), np.zeros(1024))
+    hosts[0].device = None  # written (or its host copy evicted): the budget is free again
+    assert staging.staged_bytes == 0 and staging.stage(hosts[2])
+    assert np.array_equal(np.asarray(hosts[2].device._elem), np.full(1024, 2.0))

@@ -22,7 +22,7 @@ import json
 import math
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,7 @@ from vllm_tpu_lora.lora.peft_loader import (
     read_adapter_bytes,
 )
 from vllm_tpu_lora.lora.registry import AdapterRegistry
+from vllm_tpu_lora.lora.staging import DeviceStaging
 from vllm_tpu_lora.lora.request import LoRARequest
 from vllm_tpu_lora.runner.lazy_capture import FixedTensors
 
@@ -58,6 +59,9 @@ class HostAdapter:
     """An adapter's slot image: one flat host tensor holding every buffer's slot, in order."""
     name: str
     flat: torch.Tensor
+    # The image already on the device, moved by the loader thread (staging.py); dropped
+    # once written.
+    device: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +106,8 @@ class LoRAManager:
                         for name, layer in layers.items()
                         for i, (a, b) in enumerate(zip(layer.lora_a, layer.lora_b))]
         self.registry = AdapterRegistry(max_cpu_loras=max_cpu_loras, validate=self._validate,
-                                        load=self._load_host, on_weights_changed=self._free_slot_of,
+                                        load=self._load_host, load_ahead=self._load_ahead,
+                                        on_weights_changed=self._free_slot_of,
                                         max_loads_in_flight=max_loras)
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id per device slot
         self._slot_used_at = [0] * max_loras
@@ -114,6 +119,7 @@ class LoRAManager:
         self._write_graph = self._write_eager  # replaced by a captured graph (use_runtime)
         self._captured_writes = False
         self._rt = None  # the runner's runtime (use_runtime)
+        self.staging: DeviceStaging | None = None  # (use_runtime)
         self._buffer_state: FixedTensors | None = None
         self._model_targets: dict | None = None
         self._valid_headers: OrderedDict[bytes, None] = OrderedDict()  # see _validate
@@ -127,6 +133,10 @@ class LoRAManager:
         the model; with a capture, as a captured graph: a write then runs no tracing,
         only the transfer and one cached executable that updates the buffers in place."""
         self._rt = runtime
+        # Only where a transfer may start on the loader thread, and a write takes one
+        # flat image per adapter.
+        if self.one_transfer and getattr(runtime, "transfers_from_any_thread", False):
+            self.staging = DeviceStaging(runtime)
         self._buffer_state = FixedTensors(self.buffers)
         self._captured_writes = capture is not None
         self._write_graph = (capture.compile(self._write_eager) if capture is not None
@@ -289,6 +299,14 @@ class LoRAManager:
             self._learn_plan(request, files, host)
         return host
 
+    def _load_ahead(self, request: LoRARequest) -> HostAdapter:
+        """The loader thread's read for a queued request: _load_host, then the image's
+        transfer started (staging.py), as its slot write will follow soon."""
+        host = self._load_host(request)
+        if self.staging is not None:
+            self.staging.stage(host)
+        return host
+
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return _slot_views(flat, self._shapes)
 
@@ -383,9 +401,16 @@ class LoRAManager:
                                        "a running sequence")
                 self._assign_slot(lora_id, slot)
                 loads.append((slot, self.registry.host_copy(lora_id)))
+            else:  # in its slot still: a copy staged meanwhile (re-read) is not needed
+                self._drop_staged(lora_id)
             self._slot_used_at[self.slots.index(lora_id)] = self._clock
         self.write_slots(loads)
         return {lora_id: self.slots.index(lora_id) for lora_id in needed}
+
+    def _drop_staged(self, lora_id: int) -> None:
+        entry = self.registry.entries.get(lora_id)
+        if entry is not None and entry.host is not None:
+            entry.host.device = None
 
     def _evictable_slot(self, needed: set[int]) -> int | None:
         """A free slot, else the least recently used one that no running sequence, pin or
@@ -453,12 +478,20 @@ class LoRAManager:
             # of a batch's arrays move in one call: JAX's fixed cost per transfer call
             # (~0.2 ms on a CPU host) was most of a small write's time. (A repeat moves
             # again: torch_xla's capture needs distinct tensors.)
-            *flats, index = rt.to_device_many([host.flat for _, host in batch] + [slots])
+            # Images the loader thread staged are on the device already; the rest move
+            # here (with the slot indices, in one call).
+            move = [host.flat for _, host in batch if host.device is None]
+            *moved, index = rt.to_device_many(move + [slots])
+            moved.reverse()
+            flats = [host.device if host.device is not None else moved.pop()
+                     for _, host in batch]
             # The captured write updates the buffers in place (both captures donate the
             # state a graph updates), instead of XLA copying every buffer whole
             # (max_loras adapters' worth) to change a few slots.
             self._write_graph(self._buffer_state, flats, index)
             rt.launched(self._captured_writes)  # traced lazily (enforce_eager): run it now
+            for _, host in batch:  # written: the staged copy's device memory goes back
+                host.device = None
 
     def warmup_adapter(self) -> HostAdapter:
         """A random full-rank adapter on every layer, so warm-up traces real LoRA math."""

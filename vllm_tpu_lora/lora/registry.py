@@ -73,16 +73,19 @@ class AdapterEntry:
 class AdapterRegistry:
     def __init__(self, *, max_cpu_loras: int, validate: Callable[[LoRARequest], tuple | None],
                  load: Callable[[LoRARequest], Any],
-                 on_weights_changed: Callable[[int], None], max_loads_in_flight: int) -> None:
+                 on_weights_changed: Callable[[int], None], max_loads_in_flight: int,
+                 load_ahead: Callable[[LoRARequest], Any] | None = None) -> None:
         """validate(request) raises ValueError for a bad adapter without reading tensor data,
         and returns the fingerprint of the files it read (None: take adapter_fingerprint);
         load(request) returns the host copy (runs in the loader thread: must not touch
-        engine state); on_weights_changed(lora_id) frees the adapter's device slot;
+        engine state); load_ahead(request): the same for a queued request, whose slot
+        write follows soon (default load); on_weights_changed(lora_id) frees the adapter's device slot;
         max_loads_in_flight: reads queued at once (the manager passes max_loras, the most
         adapters one admission can start)."""
         self.max_cpu_loras = max_cpu_loras
         self.max_loads_in_flight = max_loads_in_flight
         self._validate, self._load, self._on_weights_changed = validate, load, on_weights_changed
+        self._load_ahead = load_ahead or load
         self.entries: dict[int, AdapterEntry] = {}
         # Indexes over entries, so that per-step work does not grow with the adapters ever
         # named (a server may have seen thousands): ids with a host copy, pinned ids.
@@ -222,7 +225,7 @@ class AdapterRegistry:
             # (A staged reload is read once the old version drained: see _apply_staged.)
             if (entry.host is None and entry.staged is None and entry.loading is None
                     and in_flight < self.max_loads_in_flight):
-                entry.loading = self._pool().submit(self._load, entry.request)
+                entry.loading = self._pool().submit(self._load_ahead, entry.request)
                 entry.loading_generation = entry.generation
                 self._loading.add(lora_id)
                 in_flight += 1

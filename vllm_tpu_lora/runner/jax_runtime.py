@@ -82,6 +82,9 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 
 class JaxRuntime:
     name = "jax"
+    # A transfer may start on any thread (jax.device_put is thread-safe): the LoRA loader
+    # thread moves slot images ahead of their writes (lora/staging.py).
+    transfers_from_any_thread = True
 
     def __init__(self) -> None:
         torchax = import_torchax()

@@ -44,6 +44,9 @@ def make_runtime(name: str):
 
 class TorchXLARuntime:
     name = "torch_xla"
+    # Transfers stay on the engine thread: a lazy tensor made on another thread would
+    # join whatever graph that thread's XLA context is tracing.
+    transfers_from_any_thread = False
 
     def __init__(self) -> None:
         self.device = platform.xla_device()
