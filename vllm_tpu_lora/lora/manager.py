@@ -43,8 +43,8 @@ from vllm_tpu_lora.lora.peft_loader import (
     read_adapter_bytes,
 )
 from vllm_tpu_lora.lora.registry import AdapterRegistry
-from vllm_tpu_lora.lora.staging import DeviceStaging
 from vllm_tpu_lora.lora.request import LoRARequest
+from vllm_tpu_lora.lora.staging import DeviceStaging
 from vllm_tpu_lora.runner.lazy_capture import FixedTensors
 
 # Adapter recipes remembered (LRU), by the digest of their config and header: validations
