@@ -135,7 +135,7 @@ class LoRAManager:
         self._rt = runtime
         # Only where a transfer may start on the loader thread, and a write takes one
         # flat image per adapter.
-        if self.one_transfer and getattr(runtime, "transfers_from_any_thread", False):
+        if self.one_transfer and runtime.transfers_from_any_thread:
             self.staging = DeviceStaging(runtime)
         self._buffer_state = FixedTensors(self.buffers)
         self._captured_writes = capture is not None
@@ -482,9 +482,8 @@ class LoRAManager:
             # here (with the slot indices, in one call).
             move = [host.flat for _, host in batch if host.device is None]
             *moved, index = rt.to_device_many(move + [slots])
-            moved.reverse()
-            flats = [host.device if host.device is not None else moved.pop()
-                     for _, host in batch]
+            moved = iter(moved)
+            flats = [next(moved) if host.device is None else host.device for _, host in batch]
             # The captured write updates the buffers in place (both captures donate the
             # state a graph updates), instead of XLA copying every buffer whole
             # (max_loras adapters' worth) to change a few slots.

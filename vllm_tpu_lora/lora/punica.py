@@ -30,7 +30,7 @@ would copy every slot's weights):
     the fused grouped Pallas kernel below over the same buffers: 0.62-0.87x onehot's time
     there (step_layout); decode graphs of up to 32 tokens over 32+ of more slots at rank
     16 run "indexed" (ops/indexed_lora.py: the step's adapters fetched in groups by the
-    kernel's own DMAs, read once, no copy; a decode step over 32 of 128 slots 0.96x
+    kernel's own DMAs, read once, no copy; a decode step over 32 of 128 slots 0.93x
     onehot's device time on a v5e).
   - xla elsewhere, per graph (T, S) by measurement (lora/step_layout.py): from 64
     tokens, where S is above half of max_loras, "slots": each adapter's tokens in its

@@ -79,7 +79,8 @@ class AdapterRegistry:
         and returns the fingerprint of the files it read (None: take adapter_fingerprint);
         load(request) returns the host copy (runs in the loader thread: must not touch
         engine state); load_ahead(request): the same for a queued request, whose slot
-        write follows soon (default load); on_weights_changed(lora_id) frees the adapter's device slot;
+        write follows soon (default load); on_weights_changed(lora_id) frees the
+        adapter's device slot;
         max_loads_in_flight: reads queued at once (the manager passes max_loras, the most
         adapters one admission can start)."""
         self.max_cpu_loras = max_cpu_loras

@@ -156,10 +156,11 @@ from vllm_tpu_lora.ops.block_sizes import padded_num_tokens
 # The indexed kernel (ops/indexed_lora.py: the step's adapters fetched in groups by its
 # own DMAs, each read once, no copy) in decode graphs over many of more slots, with
 # kernels on ("auto"). On the v5e at Llama-3.2-1B, rank 16, a decode step over 32 of 128
-# slots took 5.59 ms of device time against onehot's 5.83 (base 3.45; profiled side by
-# side on one engine, docs/benchmarks.md, tenth session); forced on the prefill graphs
-# too it lost there (T=1024: 490 ms against onehot's 432 over a run). Picked only where
-# measured: T <= 32, S >= 32, rank 16.
+# slots took 4.73 ms of device time against onehot's 5.10 (base 3.45; profiled side by
+# side on one engine with the slot buffers pinned to HBM, docs/benchmarks.md, eleventh
+# session); forced on the prefill graphs too it lost there (T=1024: 490 ms against
+# onehot's 432 over a run, tenth session, before each tile read only its own adapters).
+# Picked only where measured: T <= 32, S >= 32, rank 16.
 INDEXED_UP_TO_TOKENS, INDEXED_FROM_SLOTS, INDEXED_RANKS = 32, 32, (16,)
 SLOTS_MAX_TOKENS = 512  # rows grow to 4T x the output width: large buckets keep the fallback
 GROUPED_BLOCK = 16  # token block B of the xla grouped matmul (forced only)

@@ -20,7 +20,7 @@ Formulation. The step's adapters are given as the onehot strategy's arrays: thei
 device slots (`active_slots`, padded) and each token's position among them
 (`token_lora_idx`, -1: no adapter). With the host's count (the engine's steps list their
 adapters first) they are used as given; without it the wrapper moves the positions some
-token uses to the front and counts them on the device. The grid is (token tiles,
+token uses to the front on the device. The grid is (token tiles,
 groups); group g holds positions g*G .. g*G+G-1, and
 
     h    = x_tile [TM, D] @ A_g.T              the shrink, [TM, G*R] per slice
@@ -299,8 +299,9 @@ def indexed_lora(x, weights, token_lora_idx, active_slots, count=None, *, group=
     engine's host count of the step's adapters, listed first), the positions are used as
     they are: every one below it is some token's; None: the used ones are moved to the
     front on the device (used_first), a few small ops per call. Either way a token tile
-    fetches only the positions from its lowest to its highest. group: adapters per grid step (None: as many as fill 128 lanes); depth:
-    groups' buffers (both lowered while VMEM is short, ``fitting_plan``)."""
+    fetches only the positions from its lowest to its highest. group: adapters per grid
+    step (None: as many as fill 128 lanes); depth: groups' buffers (both lowered while
+    VMEM is short, ``fitting_plan``)."""
     t, d = x.shape
     r, p = weights[0][0].shape[1], active_slots.shape[0]
     outs = tuple(b.shape[2] for _, b in weights)
